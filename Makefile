@@ -1,0 +1,21 @@
+# The two commands a newcomer needs: `make demo` runs tokenmill, `make test` runs the whole suite.
+# Each does its own set-up (virtual environment, packages, Kafka jars) and is safe to repeat.
+PY := .venv/bin/python
+export OMP_WAIT_POLICY := PASSIVE
+
+.PHONY: setup demo test lint kafka-jars
+
+setup:
+	@./scripts/bootstrap.sh
+
+kafka-jars: setup
+	@./deploy/kafka/kafka.sh fetch
+
+demo: setup kafka-jars
+	@.venv/bin/tokenmill demo
+
+test: setup kafka-jars
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+lint: setup
+	.venv/bin/ruff check .

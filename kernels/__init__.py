@@ -1,0 +1,1 @@
+"""Triton kernels for tokenmill, each with a plain-torch reference beside it."""

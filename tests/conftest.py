@@ -1,0 +1,30 @@
+"""Test-session set-up shared by every test module.
+
+- 2 shared CPU cores: PyTorch's OpenMP threads spin-wait and stall when another process is busy,
+  so pin one intra-op thread and make OpenMP wait passively.
+- Triton's interpreter must be switched on before any @triton.jit function is defined, so it is
+  set here, before test modules import kernels (the CPU has no other way to run them).
+"""
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+if os.environ.get("TOKENMILL_TEST_CUDA") != "1":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
+# Fixture modules, one per concern (kept apart so they can grow independently).
+pytest_plugins = [
+    "tests.fixtures.models",
+    "tests.fixtures.kafka",
+    "tests.fixtures.s3",
+]

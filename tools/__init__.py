@@ -1,0 +1,1 @@
+"""Operator and user tools: produce, tail, backfill, bench, model builders, GPU check."""

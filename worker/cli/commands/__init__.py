@@ -1,0 +1,1 @@
+"""One module per `tokenmill` subcommand; each exposes register(subparsers)."""

@@ -1,0 +1,62 @@
+"""Attention behind one interface, so the model code never knows which backend runs.
+
+Layout (shared with kernels/):
+  query            [num_tokens, num_heads, head_dim]      tokens of all sequences of the step, packed
+  key/value cache  [num_blocks, block_size, num_kv_heads, head_dim]  one pair per layer
+  slot             block_id * block_size + offset_in_block
+
+Row b of the batch owns query tokens query_start_loc[b] : query_start_loc[b+1]. Its context (tokens
+already in the cache before this step) has length ctx_b = seq_lens[b] - query_len_b; query token i
+sits at position ctx_b + i and attends causally to keys 0 .. ctx_b + i. A decode row has
+query_len 1; a prefill or chunked-prefill row has many. Both mix in one call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    query_start_loc: torch.Tensor  # int32 [B + 1], on the model's device
+    seq_lens: torch.Tensor  # int32 [B]: context + new tokens, per row
+    block_tables: torch.Tensor  # int32 [B, max_blocks_per_row], padded with 0
+    slot_mapping: torch.Tensor  # int64 [num_tokens]: cache slot each new token's K/V goes to
+    max_query_len: int
+    max_seq_len: int
+    # Host copies, so CPU-side code needs no device sync to read them.
+    query_start_loc_cpu: list[int]
+    seq_lens_cpu: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.query_start_loc_cpu[-1]
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def write_kv(
+        self,
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None: ...
+
+    def attend(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor: ...  # [num_tokens, num_heads, head_dim]

@@ -1,0 +1,155 @@
+"""Plain data shared by the engine's parts and its callers.
+
+The engine package imports nothing from Kafka, pydantic or boto3: these are dataclasses, so the
+engine runs on a machine that has only torch, triton, transformers and safetensors.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class FinishReason(str, Enum):
+    STOP = "stop"  # EOS, a stop string or a stop token id
+    LENGTH = "length"  # max_tokens, or the model's context length
+    EXPIRED = "expired"  # deadline passed before the request started
+    ABORTED = "aborted"  # abort(request_id) was called
+    ERROR = "error"  # the request could not run (e.g. prompt longer than the model allows)
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling settings; names and meanings follow OpenAI and vLLM."""
+
+    max_tokens: int = 256
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-N logprobs per generated token (0 = only the chosen one)
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.max_tokens < 1:
+            problems.append("max_tokens must be >= 1")
+        if self.min_tokens < 0:
+            problems.append("min_tokens must be >= 0")
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            problems.append("temperature must be >= 0")
+        if not (0 < self.top_p <= 1):
+            problems.append("top_p must be in (0, 1]")
+        if self.top_k < 0:
+            problems.append("top_k must be >= 0")
+        if not (0 <= self.min_p <= 1):
+            problems.append("min_p must be in [0, 1]")
+        if not self.repetition_penalty > 0:
+            problems.append("repetition_penalty must be > 0")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                problems.append(f"{name} must be in [-2, 2]")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            problems.append("logprobs must be in [0, 20]")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class EngineRequest:
+    """What a caller hands to Engine.add(). Exactly one of prompt / messages / prompt_token_ids."""
+
+    request_id: str
+    prompt: str | None = None
+    messages: list[dict[str, str]] | None = None
+    prompt_token_ids: list[int] | None = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    priority: int = 0  # lower runs first
+    deadline_ms: float | None = None  # unix ms; not started by then -> finish_reason EXPIRED
+    tenant: str | None = None  # salts the prefix cache: no cache hits across tenants
+    arrival_time: float = field(default_factory=time.time)  # unix seconds
+
+    def __post_init__(self) -> None:
+        given = [x is not None for x in (self.prompt, self.messages, self.prompt_token_ids)]
+        if sum(given) != 1:
+            raise ValueError("exactly one of prompt, messages, prompt_token_ids is required")
+
+
+@dataclass
+class TokenLogprob:
+    """Logprob of one generated token, with the top-N alternatives (OpenAI style)."""
+
+    token_id: int
+    token: str
+    logprob: float
+    top_logprobs: list[tuple[int, str, float]] = field(default_factory=list)  # (id, text, logprob)
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_prompt_tokens: int = 0
+
+
+@dataclass
+class Timing:
+    queue_ms: float = 0.0  # arrival -> first scheduled
+    ttft_ms: float = 0.0  # arrival -> first output token
+    decode_ms: float = 0.0  # first output token -> finish
+    total_ms: float = 0.0  # arrival -> finish
+
+
+@dataclass
+class RequestDelta:
+    """What one Engine.step() produced for one request.
+
+    Text is released only once it can no longer be part of a stop string, so concatenating
+    every text_delta of a request gives exactly its final text.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    text_delta: str
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per new token, when asked
+    usage: Usage | None = None  # always set; final when finished
+    timing: Timing | None = None  # set when finished
+    error: str | None = None  # set with FinishReason.ERROR
+    # Whole output, set when finished (so callers need not accumulate).
+    output_token_ids: list[int] | None = None
+    output_text: str | None = None
+
+
+@dataclass
+class EngineStats:
+    running: int = 0
+    waiting: int = 0
+    kv_blocks_total: int = 0
+    kv_blocks_used: int = 0
+    prompt_tokens_total: int = 0
+    cached_prompt_tokens_total: int = 0
+    generated_tokens_total: int = 0
+    steps: int = 0
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.cached_prompt_tokens_total / self.prompt_tokens_total if self.prompt_tokens_total else 0.0
