@@ -1,0 +1,82 @@
+"""Settings of one `tokenmill worker` process (filled from flags / TOKENMILL_* variables)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, field
+
+from worker.kafka.backpressure import BackpressurePolicy
+from worker.kafka.security import KafkaSecurity
+
+
+@dataclass
+class EngineSettings:
+    model: str
+    dtype: str = "auto"
+    device: str = "auto"
+    attention_backend: str = "auto"
+    block_size: int = 16
+    kv_cache_gb: float | None = None
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    served_model_name: str | None = None
+    seed: int = 0
+
+
+@dataclass
+class WorkerSettings:
+    bootstrap_servers: str
+    engine: EngineSettings
+    group_id: str = "tokenmill"
+    jobs_topic: str = "tokenmill.jobs"
+    results_topic: str = "tokenmill.results"
+    tokens_topic: str = "tokenmill.tokens"
+    dlq_topic: str = "tokenmill.dlq"
+    exactly_once: bool = False
+    instance_id: str | None = None  # static group membership (group.instance.id)
+    worker_name: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
+    drain_timeout_s: float = 30.0
+    revoke_grace_s: float = 5.0  # how long a revoked partition's in-flight jobs may finish
+    commit_interval_s: float = 1.0
+    metrics_port: int | None = None  # None = no HTTP server; 0 = any free port
+    metrics_host: str = "0.0.0.0"
+    max_inflight_per_partition: int = 1024
+    max_inflight_per_tenant: int = 0  # 0 = no cap
+    bad_input_ratio: float = 0.9
+    bad_input_window: int = 200
+    fetch_max_records: int = 256
+    session_timeout_ms: int = 10_000
+    heartbeat_interval_ms: int = 3_000
+    max_poll_interval_ms: int = 300_000
+    backpressure: BackpressurePolicy = field(default_factory=BackpressurePolicy)
+    security: KafkaSecurity = field(default_factory=KafkaSecurity)
+
+    def validate(self) -> None:
+        problems = []
+        if not self.bootstrap_servers:
+            problems.append("--bootstrap-servers is required")
+        if not self.engine.model:
+            problems.append("--model is required")
+        for name in ("jobs_topic", "results_topic", "tokens_topic", "dlq_topic", "group_id"):
+            if not getattr(self, name):
+                problems.append(f"--{name.replace('_', '-')} must not be empty")
+        if len({self.jobs_topic, self.results_topic, self.tokens_topic, self.dlq_topic}) != 4:
+            problems.append("the jobs, results, tokens and dead-letter topics must all differ")
+        if self.drain_timeout_s < 0:
+            problems.append("--drain-timeout must be >= 0")
+        if self.max_inflight_per_partition < 1:
+            problems.append("--max-inflight-per-partition must be >= 1")
+        if self.max_inflight_per_tenant < 0:
+            problems.append("--max-inflight-per-tenant must be >= 0")
+        if not 0 < self.bad_input_ratio <= 1:
+            problems.append("--bad-input-ratio must be in (0, 1]")
+        if self.bad_input_window < 1:
+            problems.append("--bad-input-window must be >= 1")
+        if self.commit_interval_s <= 0:
+            problems.append("--commit-interval must be > 0")
+        if problems:
+            raise ValueError("; ".join(problems))
+        self.security.validate()

@@ -1,0 +1,148 @@
+"""Per-partition offset watermarks for out-of-order completion.
+
+Jobs of one partition finish in any order, but Kafka stores one committed offset per partition:
+"everything below this is done". So the offset we may commit is the lowest offset that was fetched
+and is not yet durably answered (or, when nothing is outstanding, one past the highest fetched).
+
+Offsets are not assumed contiguous: compaction and transaction markers leave gaps, so the tracker
+only reasons about offsets it has actually seen.
+
+Every assignment of a partition gets a new epoch. Work carries the epoch it was fetched under; a
+completion from an older epoch (the partition was revoked, maybe re-assigned since) is ignored,
+because that offset now belongs to a new round of fetching.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass, field
+
+
+@dataclass
+class PartitionOffsets:
+    """Outstanding offsets of one partition under one assignment epoch."""
+
+    epoch: int
+    max_span: int
+    _pending: set[int] = field(default_factory=set)
+    _heap: list[int] = field(default_factory=list)  # lazy-deletion min-heap over _pending
+    _next_fetch: int | None = None  # one past the highest tracked offset
+    _base: int | None = None  # first offset tracked in this epoch
+    last_committed: int | None = None
+
+    def track(self, offset: int) -> None:
+        """Record a fetched offset as outstanding. Offsets must arrive in increasing order."""
+        if self._next_fetch is not None and offset < self._next_fetch:
+            raise ValueError(f"offset {offset} tracked out of order (next expected >= {self._next_fetch})")
+        if self._base is None:
+            self._base = offset
+        self._pending.add(offset)
+        heapq.heappush(self._heap, offset)
+        self._next_fetch = offset + 1
+
+    def complete(self, offset: int) -> bool:
+        """Mark an offset durably answered. Returns False if it was not outstanding."""
+        if offset not in self._pending:
+            return False
+        self._pending.remove(offset)
+        while self._heap and self._heap[0] not in self._pending:
+            heapq.heappop(self._heap)
+        return True
+
+    def is_pending(self, offset: int) -> bool:
+        return offset in self._pending
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._pending)
+
+    def commit_point(self) -> int | None:
+        """The offset to commit (next record to read after a restart), or None if nothing fetched."""
+        if self._heap:
+            return self._heap[0]
+        return self._next_fetch
+
+    def span(self) -> int:
+        """How many offsets lie between the commit point and the next fetch position."""
+        point = self.commit_point()
+        if point is None or self._next_fetch is None:
+            return 0
+        return self._next_fetch - point
+
+    def has_room(self) -> bool:
+        """True while one more offset may be tracked without exceeding the in-flight span cap."""
+        return self.span() < self.max_span
+
+    def needs_commit(self) -> bool:
+        point = self.commit_point()
+        return point is not None and point != self.last_committed
+
+    def mark_committed(self, offset: int) -> None:
+        self.last_committed = offset
+
+
+class OffsetTracker:
+    """Watermarks of every partition this member owns, keyed by any hashable partition id."""
+
+    def __init__(self, max_span: int) -> None:
+        if max_span < 1:
+            raise ValueError("max_span (in-flight offsets per partition) must be >= 1")
+        self.max_span = max_span
+        self._parts: dict[Hashable, PartitionOffsets] = {}
+        self._epoch = 0
+
+    def assign(self, partitions: Iterable[Hashable]) -> dict[Hashable, int]:
+        """Start a new epoch for each partition; returns partition -> epoch."""
+        epochs = {}
+        for tp in partitions:
+            self._epoch += 1
+            self._parts[tp] = PartitionOffsets(epoch=self._epoch, max_span=self.max_span)
+            epochs[tp] = self._epoch
+        return epochs
+
+    def revoke(self, partitions: Iterable[Hashable]) -> None:
+        for tp in partitions:
+            self._parts.pop(tp, None)
+
+    def get(self, tp: Hashable, epoch: int | None = None) -> PartitionOffsets | None:
+        """The partition's state, or None if not owned (or owned under a different epoch)."""
+        part = self._parts.get(tp)
+        if part is None or (epoch is not None and part.epoch != epoch):
+            return None
+        return part
+
+    def epoch(self, tp: Hashable) -> int | None:
+        part = self._parts.get(tp)
+        return part.epoch if part else None
+
+    def track(self, tp: Hashable, epoch: int, offset: int) -> None:
+        part = self.get(tp, epoch)
+        if part is None:
+            raise KeyError(f"partition {tp} is not owned under epoch {epoch}")
+        part.track(offset)
+
+    def complete(self, tp: Hashable, epoch: int, offset: int) -> bool:
+        """Mark done; returns False (and changes nothing) for a stale epoch or unknown offset."""
+        part = self.get(tp, epoch)
+        return part.complete(offset) if part else False
+
+    def partitions(self) -> list[Hashable]:
+        return list(self._parts)
+
+    def commit_points(self, only_changed: bool = True) -> dict[Hashable, int]:
+        out = {}
+        for tp, part in self._parts.items():
+            point = part.commit_point()
+            if point is None:
+                continue
+            if only_changed and not part.needs_commit():
+                continue
+            out[tp] = point
+        return out
+
+    def in_flight(self, tp: Hashable | None = None) -> int:
+        if tp is not None:
+            part = self._parts.get(tp)
+            return part.in_flight if part else 0
+        return sum(p.in_flight for p in self._parts.values())

@@ -1,0 +1,135 @@
+"""Prometheus metrics and the worker's HTTP endpoints: /metrics, /healthz, /readyz.
+
+Each worker has its own CollectorRegistry (tests run several in one process). The HTTP server
+runs in a daemon thread so a busy event loop never makes a probe time out; /healthz checks that
+the event loop has ticked recently, /readyz that the model is loaded and the group joined.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS_MS = (5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000, 60000, 120000)
+_TPOT_BUCKETS_MS = (1, 2, 5, 10, 20, 35, 50, 75, 100, 150, 250, 500, 1000, 2500)
+
+
+class WorkerMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.jobs_in = Counter("tokenmill_jobs_in", "Input records fetched", registry=r)
+        self.jobs_ok = Counter("tokenmill_jobs_ok", "Jobs answered with status ok", registry=r)
+        self.jobs_error = Counter("tokenmill_jobs_error", "Jobs answered with status error", ["code"], registry=r)
+        self.jobs_dead_lettered = Counter(
+            "tokenmill_jobs_dead_lettered", "Inputs written to the dead-letter topic", ["code"], registry=r
+        )
+        self.jobs_expired = Counter("tokenmill_jobs_expired", "Jobs answered with status expired", registry=r)
+        self.output_tokens = Counter("tokenmill_output_tokens", "Generated tokens", registry=r)
+        self.output_tokens_per_s = Gauge(
+            "tokenmill_output_tokens_per_second", "Generated tokens per second (recent)", registry=r
+        )
+        self.running = Gauge("tokenmill_engine_running", "Requests running in the engine", registry=r)
+        self.waiting = Gauge("tokenmill_engine_waiting", "Requests waiting in the engine", registry=r)
+        self.kv_usage = Gauge("tokenmill_kv_cache_usage", "Fraction of KV cache blocks in use", registry=r)
+        self.prefix_hit_rate = Gauge(
+            "tokenmill_prefix_cache_hit_rate", "Cached prompt tokens / prompt tokens", registry=r
+        )
+        self.ttft = Histogram(
+            "tokenmill_ttft_ms", "Time to first token (ms)", buckets=_LATENCY_BUCKETS_MS, registry=r
+        )
+        self.tpot = Histogram(
+            "tokenmill_tpot_ms", "Time per output token after the first (ms)", buckets=_TPOT_BUCKETS_MS, registry=r
+        )
+        self.commit_lag = Gauge(
+            "tokenmill_commit_lag",
+            "Records between the committed offset and the fetch position, per partition",
+            ["topic", "partition"],
+            registry=r,
+        )
+        self.paused = Gauge("tokenmill_fetch_paused", "1 while fetching is paused by backpressure", registry=r)
+        self._tok_window: list[tuple[float, int]] = []
+
+    def observe_tokens(self, n: int, now: float | None = None) -> None:
+        """Count generated tokens and keep a 10-second rate."""
+        now = time.monotonic() if now is None else now
+        if n:
+            self.output_tokens.inc(n)
+            self._tok_window.append((now, n))
+        while self._tok_window and self._tok_window[0][0] < now - 10.0:
+            self._tok_window.pop(0)
+        if self._tok_window:
+            span = max(now - self._tok_window[0][0], 1.0)
+            self.output_tokens_per_s.set(sum(k for _, k in self._tok_window) / span)
+        else:
+            self.output_tokens_per_s.set(0.0)
+
+
+class HealthState:
+    """What the probes report; written from the event loop, read from the HTTP thread."""
+
+    def __init__(self, stall_after_s: float = 30.0) -> None:
+        self.model_loaded = False
+        self.group_joined = False
+        self.draining = False
+        self.stall_after_s = stall_after_s
+        self._last_tick = time.monotonic()
+
+    def tick(self) -> None:
+        self._last_tick = time.monotonic()
+
+    def healthy(self) -> tuple[bool, str]:
+        age = time.monotonic() - self._last_tick
+        if age > self.stall_after_s:
+            return False, f"event loop has not ticked for {age:.0f}s"
+        return True, "ok"
+
+    def ready(self) -> tuple[bool, str]:
+        if not self.model_loaded:
+            return False, "model not loaded"
+        if not self.group_joined:
+            return False, "consumer group not joined"
+        if self.draining:
+            return False, "draining"
+        return True, "ok"
+
+
+class MetricsServer:
+    """Serves /metrics, /healthz and /readyz from a daemon thread."""
+
+    def __init__(self, metrics: WorkerMetrics, health: HealthState, host: str = "0.0.0.0", port: int = 0):
+        registry = metrics.registry
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 (http.server's naming)
+                path = self.path.split("?", 1)[0]
+                if path == "/metrics":
+                    body, status, ctype = generate_latest(registry), 200, CONTENT_TYPE_LATEST
+                elif path in ("/healthz", "/readyz"):
+                    ok, why = health.healthy() if path == "/healthz" else health.ready()
+                    body, status, ctype = (why + "\n").encode(), 200 if ok else 503, "text/plain"
+                else:
+                    body, status, ctype = b"not found\n", 404, "text/plain"
+                self.send_response(status)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):  # probes every few seconds would flood the log
+                pass
+
+        self._server = ThreadingHTTPServer((host, port), Handler)
+        self._server.daemon_threads = True
+        self.port = self._server.server_address[1]
+        self._thread = threading.Thread(target=self._server.serve_forever, name="metrics-http", daemon=True)
+
+    def start(self) -> MetricsServer:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()

@@ -1,0 +1,1 @@
+"""Runtime glue between the asyncio Kafka side and the engine thread."""

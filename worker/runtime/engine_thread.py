@@ -1,0 +1,130 @@
+"""Runs the engine's step loop in its own thread, fed and drained without blocking asyncio.
+
+The Kafka side (asyncio) must never wait for a model step, or polls, heartbeats and publishing
+stall; the engine must never wait for Kafka, or the accelerator idles. So requests go in through a
+thread-safe queue, the thread steps the engine whenever it has work, and each step's deltas come
+back to the event loop in one `loop.call_soon_threadsafe` call, together with fresh stats for
+backpressure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+import traceback
+from collections.abc import Callable
+
+from worker.engine.types import EngineRequest, EngineStats, FinishReason, RequestDelta, Usage
+
+StepCallback = Callable[[list[RequestDelta], EngineStats], None]
+FatalCallback = Callable[[BaseException, str], None]
+
+_ADD, _ABORT = "add", "abort"
+
+
+class EngineThread:
+    def __init__(
+        self,
+        engine,
+        loop: asyncio.AbstractEventLoop,
+        on_step: StepCallback,
+        on_fatal: FatalCallback,
+        idle_stats_interval_s: float = 0.25,
+    ) -> None:
+        self.engine = engine
+        self._loop = loop
+        self._on_step = on_step
+        self._on_fatal = on_fatal
+        self._commands: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._idle_stats_interval_s = idle_stats_interval_s
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self.steps = 0
+        self.step_seconds = 0.0
+
+    # -- called from the event loop -------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, request: EngineRequest) -> None:
+        self._commands.put((_ADD, request))
+        self._wake.set()
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put((_ABORT, request_id))
+        self._wake.set()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    # -- the engine thread ----------------------------------------------------------------------
+    def _post(self, deltas: list[RequestDelta]) -> None:
+        stats = self.engine.stats()
+        try:
+            self._loop.call_soon_threadsafe(self._on_step, deltas, stats)
+        except RuntimeError:  # the loop is closed: we are shutting down
+            self._stop.set()
+
+    def _drain_commands(self) -> list[RequestDelta]:
+        failed: list[RequestDelta] = []
+        while True:
+            try:
+                kind, payload = self._commands.get_nowait()
+            except queue.Empty:
+                return failed
+            if kind == _ADD:
+                request: EngineRequest = payload  # type: ignore[assignment]
+                try:
+                    self.engine.add(request)
+                except Exception as exc:  # a request the engine refuses must not stop the loop
+                    failed.append(
+                        RequestDelta(
+                            request_id=request.request_id,
+                            new_token_ids=[],
+                            text_delta="",
+                            finished=True,
+                            finish_reason=FinishReason.ERROR,
+                            usage=Usage(),
+                            error=f"{type(exc).__name__}: {exc}",
+                        )
+                    )
+            else:
+                try:
+                    self.engine.abort(payload)
+                except KeyError:
+                    pass  # already finished
+
+    def _run(self) -> None:
+        last_post = 0.0
+        try:
+            while not self._stop.is_set():
+                self._wake.clear()
+                failed = self._drain_commands()
+                if self.engine.has_work():
+                    t0 = time.perf_counter()
+                    deltas = self.engine.step()
+                    self.step_seconds += time.perf_counter() - t0
+                    self.steps += 1
+                    self._post(failed + list(deltas))
+                    last_post = time.monotonic()
+                    continue
+                if failed or time.monotonic() - last_post >= self._idle_stats_interval_s:
+                    self._post(failed)
+                    last_post = time.monotonic()
+                self._wake.wait(self._idle_stats_interval_s)
+        except BaseException as exc:  # an engine crash is fatal for the worker, say so loudly
+            detail = traceback.format_exc()
+            try:
+                self._loop.call_soon_threadsafe(self._on_fatal, exc, detail)
+            except RuntimeError:
+                pass
