@@ -1,0 +1,261 @@
+"""Continuous-batching scheduler: which requests run this step, and how many tokens each computes.
+
+One rule (vLLM v1): every request has `num_computed_tokens`; each step hands out tokens so that it
+catches up with `num_tokens` (prompt + output so far), within `max_num_batched_tokens` tokens and
+`max_num_seqs` sequences per step. A decode is 1 token, a prefill is many, a long prefill is split
+over steps (chunked prefill), a prefix-cache hit starts computed > 0: all the same rule, so decode
+and prefill chunks share one batched forward.
+
+Order: running requests first, by priority (lower first) then arrival; then waiting ones by the
+same order. When the KV pool runs out, the running request with the lowest priority, newest
+first, is preempted by recompute: its blocks are released (full ones stay in the prefix cache, so
+the recompute is mostly cache hits), computed drops to 0 and it goes back to waiting, where its
+early arrival puts it at the front.
+
+Prefix-aware admission (after SGLang's longest-prefix-match): among the first `admission_window`
+waiting requests, those with the longest cached prefix are admitted first; and a request whose
+next uncached block is being computed right now by a running request is held back until that
+block is in the cache, so a group sharing a prompt prefix computes it once. Every pass
+that leaves a request in the window waiting ages it; after `max_defer_steps` passes it is neither
+held back nor overtaken by cache-hit order (nothing starves).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from worker.engine.block_manager import BlockManager
+from worker.engine.request import Request, RequestStatus
+from worker.engine.types import FinishReason
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    max_model_len: int = 2048
+    admission_window: int = 128
+    max_defer_steps: int = 32
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+
+
+@dataclass
+class SchedulerOutput:
+    requests: list[Request] = field(default_factory=list)  # in batch order
+    num_new_tokens: list[int] = field(default_factory=list)  # tokens each computes this step
+    preempted: list[Request] = field(default_factory=list)
+    expired: list[Request] = field(default_factory=list)  # deadline passed before they started
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.requests
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockManager,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.config = config
+        self.bm = block_manager
+        self.clock = clock
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+        self._num_waiting_with_deadline = 0
+
+    # ------------------------------------------------------------------ membership
+    def add(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+        if request.deadline_ms is not None:
+            self._num_waiting_with_deadline += 1
+
+    def _take_from_waiting(self, request: Request) -> None:
+        self.waiting.remove(request)
+        if request.deadline_ms is not None:
+            self._num_waiting_with_deadline -= 1
+
+    def remove(self, request: Request) -> None:
+        """Take a request out (finish or abort) and release its KV blocks."""
+        if request.status is RequestStatus.WAITING and request in self.waiting:
+            self._take_from_waiting(request)
+        elif request.status is RequestStatus.RUNNING and request in self.running:
+            self.running.remove(request)
+        self.bm.release(request.kv)
+        request.status = RequestStatus.FINISHED
+
+    def remove_finished(self, finished: list[Request]) -> None:
+        """Release many finished running requests with one pass over the running list."""
+        if not finished:
+            return
+        for r in finished:
+            self.bm.release(r.kv)
+            r.status = RequestStatus.FINISHED
+        self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------ one step
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        bm = self.bm
+
+        # 1. Running requests, in priority order; preempt from the back when blocks run out.
+        running = self.running
+        running.sort(key=_sort_key)
+        i = 0
+        while i < len(running) and budget > 0:
+            req = running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if n <= 0:  # nothing to compute (cannot happen for a live request; be safe)
+                i += 1
+                continue
+            allocated = bm.allocate(req.kv, req.num_computed_tokens + n)
+            while not allocated:
+                victim = running.pop()  # lowest priority, newest: the end of the sorted list
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+                allocated = bm.allocate(req.kv, req.num_computed_tokens + n)
+            if not allocated:
+                break
+            out.requests.append(req)
+            out.num_new_tokens.append(n)
+            budget -= n
+            i += 1
+
+        # 2. Expire waiting requests whose deadline passed before they started.
+        if self._num_waiting_with_deadline:
+            now_ms = self.clock() * 1000.0
+            for req in list(self.waiting):
+                if req.deadline_ms is not None and not req.ever_scheduled and now_ms > req.deadline_ms:
+                    self._take_from_waiting(req)
+                    req.status = RequestStatus.FINISHED
+                    req.finish_reason = FinishReason.EXPIRED
+                    out.expired.append(req)
+
+        # 3. Admit waiting requests (not in a step that had to preempt: memory is short).
+        if not out.preempted and self.waiting and budget > 0 and len(running) < self.config.max_num_seqs:
+            budget = self._admit(out, budget)
+
+        if out.preempted:
+            self.num_preemptions += len(out.preempted)
+        return out
+
+    def _preempt(self, req: Request) -> None:
+        self.bm.release(req.kv)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.status = RequestStatus.WAITING
+        req.runner_row = -1
+        self.waiting.append(req)  # its early arrival sorts it to the front of waiting
+        if req.deadline_ms is not None:
+            self._num_waiting_with_deadline += 1
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> int:
+        cfg = self.config
+        bm = self.bm
+        bs = bm.block_size
+        caching = bm.enable_prefix_caching
+        self.waiting.sort(key=_sort_key)
+        window = self.waiting[: cfg.admission_window]
+
+        # Longest cached prefix first within a priority class; long-deferred requests go first.
+        hits: dict[int, list[int]] = {}
+        if caching:
+            for req in window:
+                hits[id(req)] = bm.find_cached_prefix(req.kv, req.num_tokens - 1)
+            window.sort(
+                key=lambda r: (
+                    r.priority,
+                    r.deferred_steps < cfg.max_defer_steps,
+                    -len(hits[id(r)]),
+                    r.arrival_time,
+                    r.arrival_seq,
+                )
+            )
+            pending = self._hashes_being_computed()
+        admitted: list[Request] = []
+        evictions_seen = bm.num_evictions
+        for req in window:
+            if budget <= 0 or len(self.running) >= cfg.max_num_seqs:
+                break
+            hit: list[int] = []
+            if caching:
+                hit = hits[id(req)]
+                if bm.num_evictions != evictions_seen:  # an admission above evicted blocks: look again
+                    hit = bm.find_cached_prefix(req.kv, req.num_tokens - 1)
+                if req.deferred_steps < cfg.max_defer_steps:
+                    hashes = req.kv.block_hashes
+                    if len(hit) < len(hashes) and hashes[len(hit)] in pending:
+                        continue  # a running request is computing this block right now: wait for it
+            num_cached = len(hit) * bs
+            n = min(req.num_tokens - num_cached, budget)
+            if not bm.allocate(req.kv, num_cached + n, hit):
+                break  # no room: later requests wait too, so the order stays fair
+            req.num_computed_tokens = num_cached
+            if not req.ever_scheduled:
+                req.ever_scheduled = True
+                req.num_cached_prompt_tokens = min(num_cached, req.num_prompt_tokens)
+                req.first_scheduled_time = self.clock()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            admitted.append(req)
+            out.requests.append(req)
+            out.num_new_tokens.append(n)
+            budget -= n
+            if caching:
+                pending.update(req.kv.block_hashes[len(hit) :])
+        for req in admitted:
+            self._take_from_waiting(req)
+        for req in window:
+            if req.status is RequestStatus.WAITING:
+                req.deferred_steps += 1  # passed over with room to spare or not: it ages
+        return budget
+
+    def _hashes_being_computed(self) -> set[bytes]:
+        """Hashes of full blocks that running requests have not computed yet (prefills in flight)."""
+        pending: set[bytes] = set()
+        bs = self.bm.block_size
+        for req in self.running:
+            start = req.num_computed_tokens // bs
+            hashes = req.kv.block_hashes
+            if start < len(hashes):
+                pending.update(hashes[start:])
+        return pending
+
+    def on_step_done(self, out: SchedulerOutput) -> None:
+        """The step's forward ran: its tokens are computed; cache the blocks that became full."""
+        bm = self.bm
+        for req, n in zip(out.requests, out.num_new_tokens):
+            req.num_computed_tokens += n
+            bm.register_computed(req.kv, req.num_computed_tokens)
+
+
+def _sort_key(r: Request) -> tuple[int, float, int]:
+    return (r.priority, r.arrival_time, r.arrival_seq)
