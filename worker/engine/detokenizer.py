@@ -1,0 +1,167 @@
+"""Incremental detokenisation with stop strings, one generated token at a time.
+
+Decoding the whole output after every token costs O(length) per token. Instead (as vLLM's
+``detokenize_incrementally`` does) we keep two offsets into the token list:
+
+    ids[prefix_offset:read_offset]  tokens whose text was already released (context only)
+    ids[read_offset:]               tokens whose text is not released yet
+
+and decode only the short window ``ids[prefix_offset:]``. The new text is what that window decodes
+to beyond the context. Decoding with a little context keeps tokenizers that treat the first token
+of a string specially (SentencePiece's leading space) correct; the context starts with the last
+few prompt tokens for the same reason.
+
+Two kinds of text are held back:
+
+- an incomplete UTF-8 character: byte-level tokens split emojis and accented letters, and a partial
+  character decodes to a trailing U+FFFD; the window is kept open until the character completes
+  (or until flush(), which releases whatever the bytes decode to);
+- a possible stop-string start: text whose tail could still grow into a stop string is not released
+  until it cannot. When a stop string appears, the output ends just before it and nothing after it
+  is ever released. If several stop strings appear, the one that completes first wins (ties: the
+  one that starts first), which is what stopping generation as soon as one appears gives.
+
+So the concatenation of everything ``add`` and ``flush`` return is exactly the final text, and it
+equals ``tokenizer.decode(output_ids, skip_special_tokens=...)`` cut before the first stop string
+(for byte-level BPE tokenizers such as GPT-2/Llama-3/Qwen/SmolLM2; SentencePiece tokenizers may
+keep the leading space of the first output token, as vLLM does). No clean-up of tokenisation
+spaces is applied, also as in vLLM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+REPLACEMENT_CHAR = "\ufffd"
+
+# Prompt tokens decoded as context for the first output token (vLLM uses 5 plus a read window).
+PROMPT_CONTEXT_TOKENS = 6
+
+
+def make_decoder(tokenizer, skip_special_tokens: bool) -> Callable[[list[int]], str]:
+    """ids -> text, without tokenisation-space clean-up, using the fast backend when there is one."""
+    backend = getattr(tokenizer, "backend_tokenizer", None) or getattr(tokenizer, "_tokenizer", None)
+    if backend is not None and hasattr(backend, "decode"):
+        return lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
+    if hasattr(tokenizer, "decode") and not hasattr(tokenizer, "convert_ids_to_tokens"):
+        # A bare `tokenizers.Tokenizer`.
+        return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+    return lambda ids: tokenizer.decode(
+        ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
+    )
+
+
+def find_first_stop(text: str, stop: Sequence[str]) -> int | None:
+    """Start of the stop string that completes first in `text` (ties: earliest start), or None."""
+    best_end = best_start = None
+    for s in stop:
+        start = text.find(s)
+        if start < 0:
+            continue
+        end = start + len(s)
+        if best_end is None or end < best_end or (end == best_end and start < best_start):
+            best_end, best_start = end, start
+    return best_start
+
+
+def stop_prefix_len(text: str, stop: Sequence[str]) -> int:
+    """Length of the longest tail of `text` that is a proper prefix of some stop string."""
+    longest = max((len(s) for s in stop), default=0)
+    for k in range(min(len(text), longest - 1), 0, -1):
+        tail = text[-k:]
+        if any(s.startswith(tail) for s in stop):
+            return k
+    return 0
+
+
+class IncrementalDetokenizer:
+    """Turns the output tokens of one request into released text, honouring stop strings."""
+
+    def __init__(
+        self,
+        tokenizer,
+        prompt_token_ids: Sequence[int],
+        stop: Sequence[str],
+        skip_special_tokens: bool = True,
+    ) -> None:
+        stop = list(stop)
+        for s in stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
+        self._stop = stop
+        self._decode = make_decoder(tokenizer, skip_special_tokens)
+
+        context = [int(t) for t in prompt_token_ids[-PROMPT_CONTEXT_TOKENS:]]
+        if context and self._decode(context).endswith(REPLACEMENT_CHAR):
+            # The prompt ends inside a character: its bytes would merge with the output's and
+            # shift the offsets, so decode the output on its own.
+            context = []
+        self._ids: list[int] = context
+        self._prefix_offset = 0
+        self._read_offset = len(context)
+        self._prefix_text: str | None = None  # decode(ids[prefix_offset:read_offset]), cached
+        self._held = ""  # decoded text that could still start a stop string
+        self._released: list[str] = []
+        self._stopped = False
+        self._flushed = False
+
+    @property
+    def text(self) -> str:
+        """All text released so far."""
+        return "".join(self._released)
+
+    @property
+    def stopped(self) -> bool:
+        """A stop string was hit (the text ends just before it)."""
+        return self._stopped
+
+    def add(self, token_id: int) -> tuple[str, bool]:
+        """Append one generated token; returns (text released now, a stop string was hit)."""
+        if self._flushed:
+            raise RuntimeError("add() after flush(): the request is already finished")
+        if self._stopped:
+            return "", True  # nothing after a stop string is ever released
+        self._ids.append(int(token_id))
+        piece = self._decode_new(final=False)
+        if not piece:
+            return "", False
+        return self._release(piece)
+
+    def flush(self) -> str:
+        """Release the held-back text at finish (an incomplete character or a stop-string start)."""
+        if self._flushed or self._stopped:
+            self._flushed = True
+            return ""
+        self._flushed = True
+        released, _ = self._release(self._decode_new(final=True), final=True)
+        return released
+
+    # -- internals -------------------------------------------------------------------------------
+
+    def _decode_new(self, final: bool) -> str:
+        """Text of ids[read_offset:], or "" while it ends in an incomplete character (unless final)."""
+        if self._read_offset == len(self._ids):
+            return ""
+        if self._prefix_text is None:
+            self._prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        window_text = self._decode(self._ids[self._prefix_offset :])
+        if len(window_text) <= len(self._prefix_text):
+            return ""  # e.g. a skipped special token
+        if window_text.endswith(REPLACEMENT_CHAR) and not final:
+            return ""  # keep the window open until the character completes
+        piece = window_text[len(self._prefix_text) :]
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        self._prefix_text = None
+        return piece
+
+    def _release(self, piece: str, final: bool = False) -> tuple[str, bool]:
+        text = self._held + piece
+        cut = find_first_stop(text, self._stop) if self._stop else None
+        if cut is not None:
+            released, self._held, self._stopped = text[:cut], "", True
+        else:
+            keep = 0 if final else stop_prefix_len(text, self._stop)
+            released, self._held = text[: len(text) - keep], text[len(text) - keep :]
+        if released:
+            self._released.append(released)
+        return released, self._stopped
