@@ -212,7 +212,8 @@ class Scheduler:
                     hit = bm.find_cached_prefix(req.kv, req.num_tokens - 1)
                 if req.deferred_steps < cfg.max_defer_steps:
                     hashes = req.kv.block_hashes
-                    if len(hit) < len(hashes) and hashes[len(hit)] in pending:
+                    usable = (req.num_tokens - 1) // bs  # blocks it could ever take from the cache
+                    if len(hit) < usable and hashes[len(hit)] in pending:
                         continue  # a running request is computing this block right now: wait for it
             num_cached = len(hit) * bs
             n = min(req.num_tokens - num_cached, budget)
