@@ -1,0 +1,326 @@
+#!/usr/bin/env bash
+# A local single-node Apache Kafka (KRaft, combined broker + controller) for development and tests.
+#
+#   kafka.sh fetch                                   copy the Kafka jars into the cache (once)
+#   kafka.sh start  --port P --data-dir D [--controller-port C] [--timeout S] [--owner-pid PID]
+#                   [--auto-create-topics true|false]
+#   kafka.sh status --data-dir D                      exit 0 running, 3 stopped
+#   kafka.sh stop   --data-dir D [--timeout S]        SIGTERM, wait, SIGKILL fallback
+#   kafka.sh libs                                     print the jar directory (after fetch)
+#
+# Everything a running node needs lives in its data directory:
+#   D/server.properties  D/kafka.pid  D/kafka.log  D/ports  D/log/ (the Kafka log dir)
+# Starting again on an existing data directory keeps the data: storage is formatted only once,
+# and the controller port is reused because the single-node quorum records its endpoint.
+#
+# Environment: TOKENMILL_CACHE (default ~/.cache/tokenmill) holds the jars under
+# kafka/<version>/libs; TOKENMILL_KAFKA_VERSION overrides the version pinned in pom.xml;
+# KAFKA_HEAP_OPTS and KAFKA_JVM_OPTS replace the default JVM settings; JAVA (default: java).
+set -euo pipefail
+
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+POM="$HERE/pom.xml"
+JAVA="${JAVA:-java}"
+
+die() { echo "kafka.sh: $*" >&2; exit 1; }
+
+pinned_version() {
+    sed -n 's:.*<kafka.version>\(.*\)</kafka.version>.*:\1:p' "$POM" | head -n1
+}
+KAFKA_VERSION="${TOKENMILL_KAFKA_VERSION:-$(pinned_version)}"
+[[ -n "$KAFKA_VERSION" ]] || die "cannot read <kafka.version> from $POM"
+CACHE_ROOT="${TOKENMILL_CACHE:-$HOME/.cache/tokenmill}"
+LIBS="$CACHE_ROOT/kafka/$KAFKA_VERSION/libs"
+
+# ---------------------------------------------------------------------------------------------
+# fetch: resolve the pom with Maven and copy every runtime jar into $LIBS. A marker file written
+# last makes a finished copy recognisable; the copy goes to a temporary directory first and is
+# renamed into place, so an interrupted or concurrent fetch never leaves a half-filled $LIBS.
+cmd_fetch() {
+    if [[ -f "$LIBS/.complete" ]]; then
+        return 0
+    fi
+    command -v mvn >/dev/null || die "Maven (mvn) is needed once to fetch the Kafka jars; install it (e.g. apt-get install maven)"
+    command -v "$JAVA" >/dev/null || die "Java 17+ is needed to run Kafka $KAFKA_VERSION; install it (e.g. apt-get install openjdk-17-jre-headless)"
+    local parent tmp
+    parent="$(dirname "$LIBS")"
+    mkdir -p "$parent"
+    tmp="$(mktemp -d "$parent/libs.tmp.XXXXXX")"
+    echo "kafka.sh: fetching Apache Kafka $KAFKA_VERSION jars into $LIBS" >&2
+    if ! mvn -q -B -Dstyle.color=never -f "$POM" "-Dkafka.version=$KAFKA_VERSION" \
+            dependency:copy-dependencies -DincludeScope=runtime "-DoutputDirectory=$tmp" >&2; then
+        rm -rf "$tmp"
+        die "Maven could not fetch org.apache.kafka:kafka_2.13:$KAFKA_VERSION (see the output above)"
+    fi
+    ls "$tmp"/kafka_2.13-*.jar >/dev/null 2>&1 || { rm -rf "$tmp"; die "no kafka_2.13 jar after the fetch"; }
+    date -u +%FT%TZ >"$tmp/.complete"
+    if ! mv -T "$tmp" "$LIBS" 2>/dev/null; then
+        # Another fetch finished first; its copy is as good as ours.
+        rm -rf "$tmp"
+        [[ -f "$LIBS/.complete" ]] || die "could not move the jars into $LIBS"
+    fi
+}
+
+# ---------------------------------------------------------------------------------------------
+# Helpers for a node's data directory.
+
+pid_file() { echo "$1/kafka.pid"; }
+
+# The pid of the node of data directory $1 if that process is alive and is really its Kafka
+# (a stale pid file whose number was reused by another process does not count).
+running_pid() {
+    local dir="$1" pid
+    [[ -f "$(pid_file "$dir")" ]] || return 1
+    pid="$(cat "$(pid_file "$dir")" 2>/dev/null || true)"
+    [[ "$pid" =~ ^[0-9]+$ ]] || return 1
+    [[ -r "/proc/$pid/cmdline" ]] || return 1
+    tr '\0' ' ' <"/proc/$pid/cmdline" | grep -qF -- "$dir/server.properties" || return 1
+    echo "$pid"
+}
+
+port_open() {
+    (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null
+}
+
+free_port() {
+    if command -v python3 >/dev/null; then
+        python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+        return
+    fi
+    local p
+    for _ in $(seq 1 50); do
+        p=$((20000 + RANDOM % 40000))
+        port_open "$p" || { echo "$p"; return; }
+    done
+    die "could not find a free port"
+}
+
+read_port() {  # read_port DATA_DIR KEY -> value from D/ports, empty if none
+    [[ -f "$1/ports" ]] || return 0
+    sed -n "s/^$2=//p" "$1/ports" | head -n1
+}
+
+new_cluster_id() {
+    # A Kafka Uuid: 16 random bytes, URL-safe base64 without padding (22 characters).
+    head -c 16 /dev/urandom | base64 | tr '+/' '-_' | tr -d '=\n'
+}
+
+log_tail() {
+    echo "---- last lines of $1 ----" >&2
+    tail -n "${2:-40}" "$1" >&2 2>/dev/null || true
+    echo "----" >&2
+}
+
+# ---------------------------------------------------------------------------------------------
+cmd_start() {
+    local port="" dir="" cport="" timeout=120 owner="" auto_create=true
+    while [[ $# -gt 0 ]]; do
+        case "$1" in
+            --port) port="$2"; shift 2 ;;
+            --data-dir) dir="$2"; shift 2 ;;
+            --controller-port) cport="$2"; shift 2 ;;
+            --timeout) timeout="$2"; shift 2 ;;
+            --owner-pid) owner="$2"; shift 2 ;;
+            --auto-create-topics) auto_create="$2"; shift 2 ;;
+            *) die "start: unknown argument '$1'" ;;
+        esac
+    done
+    [[ -n "$dir" ]] || die "start: --data-dir is required"
+    mkdir -p "$dir"
+    dir="$(cd "$dir" && pwd)"
+    # A restart reuses the ports recorded at first start unless told otherwise.
+    [[ -n "$port" ]] || port="$(read_port "$dir" port)"
+    [[ -n "$port" ]] || port=9092
+    local recorded_cport
+    recorded_cport="$(read_port "$dir" controller_port)"
+    if [[ -n "$recorded_cport" ]]; then
+        if [[ -n "$cport" && "$cport" != "$recorded_cport" ]]; then
+            die "start: $dir was formatted with controller port $recorded_cport; the single-node quorum keeps that endpoint, so --controller-port $cport cannot be used (omit it)"
+        fi
+        cport="$recorded_cport"
+    fi
+    [[ -n "$cport" ]] || cport="$(free_port)"
+    [[ "$port" =~ ^[0-9]+$ && "$cport" =~ ^[0-9]+$ ]] || die "start: ports must be numbers (got '$port', '$cport')"
+    [[ "$auto_create" == true || "$auto_create" == false ]] || die "start: --auto-create-topics takes true or false (got '$auto_create')"
+    [[ "$port" != "$cport" ]] || die "start: broker and controller ports must differ (both $port)"
+
+    local pid
+    if pid="$(running_pid "$dir")"; then
+        local running_port
+        running_port="$(read_port "$dir" port)"
+        if [[ "$running_port" == "$port" ]]; then
+            echo "kafka already running: pid $pid, bootstrap 127.0.0.1:$port, data $dir"
+            return 0
+        fi
+        die "start: a Kafka node (pid $pid) already runs on $dir with port $running_port"
+    fi
+    for p in "$port" "$cport"; do
+        port_open "$p" && die "start: port $p on 127.0.0.1 is already in use"
+    done
+
+    cmd_fetch
+
+    local log_dir="$dir/log" props="$dir/server.properties" log="$dir/kafka.log"
+    sed -e "s|@PORT@|$port|g" -e "s|@CONTROLLER_PORT@|$cport|g" -e "s|@LOG_DIR@|$log_dir|g" \
+        -e "s|@AUTO_CREATE@|$auto_create|g" \
+        "$HERE/server.properties.template" >"$props"
+    printf 'port=%s\ncontroller_port=%s\nkafka_version=%s\n' "$port" "$cport" "$KAFKA_VERSION" >"$dir/ports"
+
+    local heap="${KAFKA_HEAP_OPTS:--Xms128m -Xmx512m}"
+    # Serial GC and the C1 compiler start fastest and stay out of the way on two shared cores.
+    local jvm="${KAFKA_JVM_OPTS:--XX:+UseSerialGC -XX:TieredStopAtLevel=1 -XX:+ExitOnOutOfMemoryError -Djava.awt.headless=true}"
+    local cp="$LIBS/*"
+    # shellcheck disable=SC2206
+    local java_cmd=("$JAVA" $heap $jvm "-Dlog4j2.configurationFile=$HERE/log4j2.properties" -cp "$cp")
+
+    if [[ ! -f "$log_dir/meta.properties" ]]; then
+        echo "kafka.sh: formatting KRaft storage in $log_dir" >&2
+        if ! "${java_cmd[@]}" kafka.tools.StorageTool format --standalone \
+                -t "$(new_cluster_id)" -c "$props" >>"$log" 2>&1; then
+            log_tail "$log"
+            die "start: formatting the storage failed"
+        fi
+    fi
+
+    echo "=== start $(date -u +%FT%TZ) port=$port controller_port=$cport" >>"$log"
+    # setsid: the node outlives this script and is not hit by the caller's terminal signals.
+    # The inner shell writes its own pid, then exec turns it into the JVM (same pid).
+    local pf
+    pf="$(pid_file "$dir")"
+    rm -f "$pf"
+    setsid bash -c 'echo $$ >"$0"; exec "$@"' "$pf" "${java_cmd[@]}" kafka.Kafka "$props" \
+        </dev/null >>"$log" 2>&1 &
+    local deadline=$((SECONDS + timeout))
+    while [[ ! -s "$pf" ]]; do
+        ((SECONDS < deadline)) || die "start: the JVM did not start"
+        sleep 0.1
+    done
+    pid="$(cat "$pf")"
+
+    # Ready = the server reports "Kafka Server started" (the broker is registered and unfenced)
+    # after our start marker, and its listener accepts connections.
+    local marker_line
+    marker_line="$(grep -c '' "$log")"
+    while true; do
+        if ! kill -0 "$pid" 2>/dev/null; then
+            log_tail "$log" 60
+            rm -f "$pf"
+            die "start: Kafka exited during start-up (log: $log)"
+        fi
+        if tail -n "+$marker_line" "$log" | grep -q 'Kafka Server started' && port_open "$port"; then
+            break
+        fi
+        if ((SECONDS >= deadline)); then
+            log_tail "$log" 60
+            kill -TERM "$pid" 2>/dev/null || true
+            die "start: Kafka did not answer on 127.0.0.1:$port within ${timeout}s (log: $log)"
+        fi
+        sleep 0.2
+    done
+
+    if [[ -n "$owner" ]]; then
+        # Stop the node when the owning process goes away, even if it dies without cleaning up.
+        setsid nohup bash "$0" _watch --data-dir "$dir" --owner-pid "$owner" --pid "$pid" \
+            </dev/null >>"$log" 2>&1 &
+    fi
+    echo "kafka running: pid $pid, bootstrap 127.0.0.1:$port, data $dir"
+}
+
+cmd__watch() {
+    local dir="" owner="" pid=""
+    while [[ $# -gt 0 ]]; do
+        case "$1" in
+            --data-dir) dir="$2"; shift 2 ;;
+            --owner-pid) owner="$2"; shift 2 ;;
+            --pid) pid="$2"; shift 2 ;;
+            *) die "_watch: unknown argument '$1'" ;;
+        esac
+    done
+    while kill -0 "$owner" 2>/dev/null && kill -0 "$pid" 2>/dev/null; do
+        sleep 1
+    done
+    if kill -0 "$pid" 2>/dev/null && [[ "$(running_pid "$dir" || true)" == "$pid" ]]; then
+        echo "kafka.sh: owner process $owner is gone; stopping Kafka pid $pid" >&2
+        cmd_stop --data-dir "$dir"
+    fi
+}
+
+cmd_status() {
+    local dir=""
+    while [[ $# -gt 0 ]]; do
+        case "$1" in
+            --data-dir) dir="$2"; shift 2 ;;
+            *) die "status: unknown argument '$1'" ;;
+        esac
+    done
+    [[ -n "$dir" ]] || die "status: --data-dir is required"
+    [[ -d "$dir" ]] || { echo "kafka stopped: no data directory $dir"; return 3; }
+    dir="$(cd "$dir" && pwd)"
+    local pid port
+    port="$(read_port "$dir" port)"
+    if pid="$(running_pid "$dir")"; then
+        if port_open "$port"; then
+            echo "kafka running: pid $pid, bootstrap 127.0.0.1:$port, data $dir"
+            return 0
+        fi
+        echo "kafka not answering: pid $pid alive but 127.0.0.1:$port refuses connections, data $dir"
+        return 4
+    fi
+    echo "kafka stopped: data $dir"
+    return 3
+}
+
+cmd_stop() {
+    local dir="" timeout=60
+    while [[ $# -gt 0 ]]; do
+        case "$1" in
+            --data-dir) dir="$2"; shift 2 ;;
+            --timeout) timeout="$2"; shift 2 ;;
+            *) die "stop: unknown argument '$1'" ;;
+        esac
+    done
+    [[ -n "$dir" ]] || die "stop: --data-dir is required"
+    [[ -d "$dir" ]] || { echo "kafka stopped: no data directory $dir"; return 0; }
+    dir="$(cd "$dir" && pwd)"
+    local pid
+    if ! pid="$(running_pid "$dir")"; then
+        rm -f "$(pid_file "$dir")"
+        echo "kafka stopped: data $dir"
+        return 0
+    fi
+    # SIGTERM runs Kafka's shutdown hook: a controlled shutdown that flushes and closes the logs,
+    # so the next start needs no log recovery.
+    kill -TERM "$pid" 2>/dev/null || true
+    local deadline=$((SECONDS + timeout))
+    while kill -0 "$pid" 2>/dev/null; do
+        if ((SECONDS >= deadline)); then
+            echo "kafka.sh: pid $pid ignored SIGTERM for ${timeout}s; sending SIGKILL" >&2
+            kill -KILL "$pid" 2>/dev/null || true
+            sleep 0.5
+            break
+        fi
+        sleep 0.2
+    done
+    rm -f "$(pid_file "$dir")"
+    echo "kafka stopped: data $dir"
+}
+
+main() {
+    local cmd="${1:-}"
+    [[ $# -gt 0 ]] && shift
+    case "$cmd" in
+        fetch) cmd_fetch "$@" ;;
+        libs) cmd_fetch && echo "$LIBS" ;;
+        start) cmd_start "$@" ;;
+        status) cmd_status "$@" ;;
+        stop) cmd_stop "$@" ;;
+        _watch) cmd__watch "$@" ;;
+        version) echo "$KAFKA_VERSION" ;;
+        -h|--help|help|"")
+            awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "${BASH_SOURCE[0]}"
+            [[ -n "$cmd" ]] ;;
+        *) die "unknown command '$cmd' (fetch, start, status, stop, libs, version)" ;;
+    esac
+}
+
+main "$@"
