@@ -1,0 +1,92 @@
+"""tokenmill's wire contract (v1) in code: the single source of truth for Jobs, TokenEvents,
+Results, dead-letter headers and error codes, plus the decoders and the OpenAI Batch converter.
+
+The JSON Schema files in ``schemas/json/`` are exported from these models
+(``python -m schemas.export``); a test fails when they drift.
+"""
+
+from schemas.constants import (
+    DEAD_LETTER_HEADERS,
+    ERROR_CODES,
+    ERROR_INTERNAL,
+    ERROR_INVALID_JOB,
+    ERROR_MODEL_MISMATCH,
+    ERROR_PROMPT_TOO_LONG,
+    FINISH_LENGTH,
+    FINISH_REASONS,
+    FINISH_STOP,
+    HEADER_ERROR_CODE,
+    HEADER_ERROR_MESSAGE,
+    HEADER_SOURCE_OFFSET,
+    HEADER_SOURCE_PARTITION,
+    HEADER_SOURCE_TOPIC,
+    JOB_ID_MAX_CHARS,
+    LOGPROBS_MAX,
+    MESSAGE_ROLES,
+    METADATA_MAX_BYTES,
+    STATUS_ERROR,
+    STATUS_EXPIRED,
+    STATUS_OK,
+    STATUSES,
+    STOP_MAX_STRINGS,
+    dead_letter_headers,
+)
+from schemas.decode import InputLine, decode_job, is_openai_batch_line, parse_input_line, read_input_line
+from schemas.errors import JobDecodeError, format_validation_error
+from schemas.job import Job, Message, Sampling
+from schemas.openai_batch import (
+    CHAT_COMPLETIONS_URL,
+    COMPLETIONS_URL,
+    job_from_openai_batch_line,
+    openai_batch_output_line,
+)
+from schemas.records import ErrorInfo, Result, Source, Timing, TokenEvent, TokenLogprob, TopLogprob, Usage
+
+__all__ = [
+    "CHAT_COMPLETIONS_URL",
+    "COMPLETIONS_URL",
+    "DEAD_LETTER_HEADERS",
+    "ERROR_CODES",
+    "ERROR_INTERNAL",
+    "ERROR_INVALID_JOB",
+    "ERROR_MODEL_MISMATCH",
+    "ERROR_PROMPT_TOO_LONG",
+    "FINISH_LENGTH",
+    "FINISH_REASONS",
+    "FINISH_STOP",
+    "HEADER_ERROR_CODE",
+    "HEADER_ERROR_MESSAGE",
+    "HEADER_SOURCE_OFFSET",
+    "HEADER_SOURCE_PARTITION",
+    "HEADER_SOURCE_TOPIC",
+    "JOB_ID_MAX_CHARS",
+    "LOGPROBS_MAX",
+    "MESSAGE_ROLES",
+    "METADATA_MAX_BYTES",
+    "STATUSES",
+    "STATUS_ERROR",
+    "STATUS_EXPIRED",
+    "STATUS_OK",
+    "STOP_MAX_STRINGS",
+    "ErrorInfo",
+    "InputLine",
+    "Job",
+    "JobDecodeError",
+    "Message",
+    "Result",
+    "Sampling",
+    "Source",
+    "Timing",
+    "TokenEvent",
+    "TokenLogprob",
+    "TopLogprob",
+    "Usage",
+    "dead_letter_headers",
+    "decode_job",
+    "format_validation_error",
+    "is_openai_batch_line",
+    "job_from_openai_batch_line",
+    "openai_batch_output_line",
+    "parse_input_line",
+    "read_input_line",
+]

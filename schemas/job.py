@@ -1,0 +1,162 @@
+"""The Job: one prompt job as producers put it on the jobs topic (contract v1).
+
+Validation is strict wherever a lax conversion would silently change a job: ``"10"``, ``10.0``
+and ``true`` are not integers, ``1`` is not a boolean, unknown fields (top level, in
+``sampling`` and in messages) are rejected so a typo cannot turn into a default. Numbers given
+as integers are accepted where the contract asks for a float (``"temperature": 0``).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from schemas.constants import (
+    INT64_MAX,
+    INT64_MIN,
+    JOB_ID_MAX_CHARS,
+    LOGPROBS_MAX,
+    METADATA_MAX_BYTES,
+    STOP_MAX_STRINGS,
+    TOKEN_ID_MAX,
+    MessageRole,
+)
+
+# Shared field types. Counts and token ids fit a signed 32-bit integer: larger values can only be
+# mistakes, and they would overflow the engine's index tensors instead of failing here clearly.
+TokenId = Annotated[int, Field(ge=0, le=TOKEN_ID_MAX)]
+Count = Annotated[int, Field(ge=0, le=TOKEN_ID_MAX)]
+Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+JobId = Annotated[
+    str,
+    Field(
+        min_length=1,
+        max_length=JOB_ID_MAX_CHARS,
+        description="The idempotency key; echoed in every TokenEvent and Result. 1..256 characters.",
+    ),
+]
+FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
+PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids")
+
+
+class StrictModel(BaseModel):
+    """Strict types, unknown fields rejected."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class Message(StrictModel):
+    """One chat message. It goes through the model's chat template."""
+
+    role: MessageRole = Field(description="system, user or assistant")
+    content: str = Field(description="The message text (may be empty, e.g. an empty system message).")
+
+
+class Sampling(StrictModel):
+    """How tokens are drawn. Names and meanings follow the OpenAI and vLLM conventions."""
+
+    max_tokens: int = Field(256, ge=1, le=TOKEN_ID_MAX, description="Most tokens to generate.")
+    min_tokens: Count = Field(0, description="EOS and stop token ids are suppressed until this many tokens.")
+    temperature: FiniteFloat = Field(1.0, ge=0, description="0 means greedy.")
+    top_p: FiniteFloat = Field(1.0, gt=0, le=1, description="Nucleus sampling: 0 < p <= 1.")
+    top_k: Count = Field(0, description="Keep the k most likely tokens; 0 = off.")
+    min_p: FiniteFloat = Field(0.0, ge=0, le=1, description="Drop tokens below min_p x the top probability.")
+    repetition_penalty: FiniteFloat = Field(1.0, gt=0, description="> 0; 1 = off (vLLM convention).")
+    presence_penalty: FiniteFloat = Field(0.0, ge=-2, le=2, description="-2..2 (OpenAI convention).")
+    frequency_penalty: FiniteFloat = Field(0.0, ge=-2, le=2, description="-2..2 (OpenAI convention).")
+    seed: Int64 | None = Field(None, description="Same seed, same tokens, alone or in any batch.")
+    stop: list[Annotated[str, Field(min_length=1)]] = Field(
+        default_factory=list,
+        max_length=STOP_MAX_STRINGS,
+        description="At most 16 non-empty strings; the text ends just before the first one hit.",
+    )
+    stop_token_ids: list[TokenId] = Field(default_factory=list, description="Token ids that end the output.")
+    ignore_eos: bool = Field(False, description="Keep generating past EOS (until max_tokens).")
+    logprobs: int | None = Field(
+        None,
+        ge=0,
+        le=LOGPROBS_MAX,
+        description="null = none; N in 0..20 = the chosen token's logprob plus the top N alternatives.",
+    )
+
+    @model_validator(mode="after")
+    def _min_not_above_max(self) -> Sampling:
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
+            )
+        return self
+
+
+def metadata_json_size(metadata: dict[str, Any]) -> int:
+    """Size of metadata as compact UTF-8 JSON, the measure of the 16 KiB limit."""
+    return len(json.dumps(metadata, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode())
+
+
+class Job(StrictModel):
+    """One prompt job (the value of a record on the jobs topic)."""
+
+    model_config = ConfigDict(
+        strict=True,
+        extra="forbid",
+        json_schema_extra={
+            # Exactly one prompt form; null counts as absent.
+            "oneOf": [
+                {"required": [name], "properties": {name: {"not": {"type": "null"}}}}
+                for name in PROMPT_FIELDS
+            ],
+        },
+    )
+
+    job_id: JobId
+    prompt: str | None = Field(None, min_length=1, description="A plain prompt (non-empty).")
+    messages: list[Message] | None = Field(
+        None, min_length=1, description="Chat messages, rendered with the model's chat template."
+    )
+    prompt_token_ids: list[TokenId] | None = Field(
+        None, min_length=1, description="An already tokenized prompt."
+    )
+    model: str | None = Field(
+        None, min_length=1, description="When given, must equal the worker's served model name."
+    )
+    sampling: Sampling = Field(default_factory=Sampling)
+    stream: bool = Field(False, description="Publish TokenEvents while generating.")
+    priority: Int64 = Field(0, description="Lower runs first.")
+    deadline_ms: Int64 | None = Field(
+        None, ge=0, description="Unix time in ms; a job not started by then gets status expired."
+    )
+    tenant: str | None = Field(
+        None, min_length=1, max_length=256, description="Quota and prefix-cache isolation unit."
+    )
+    metadata: dict[str, Any] | None = Field(
+        None, description="Echoed unchanged in the Result; at most 16 KiB as compact UTF-8 JSON."
+    )
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_fits(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is None:
+            return None
+        try:
+            size = metadata_json_size(value)
+        except RecursionError:
+            raise ValueError("nested too deeply") from None
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"must be plain JSON ({exc})") from None
+        if size > METADATA_MAX_BYTES:
+            raise ValueError(f"is {size} bytes as JSON; at most {METADATA_MAX_BYTES} are allowed")
+        return value
+
+    @model_validator(mode="after")
+    def _exactly_one_prompt(self) -> Job:
+        given = [name for name in PROMPT_FIELDS if getattr(self, name) is not None]
+        if len(given) != 1:
+            got = ", ".join(given) if given else "none"
+            raise ValueError(f"exactly one of prompt, messages, prompt_token_ids is required (got {got})")
+        return self
+
+    def to_json_bytes(self) -> bytes:
+        """The wire form (UTF-8 JSON with the fields that were given; defaults left implicit)."""
+        return self.model_dump_json(exclude_unset=True).encode()

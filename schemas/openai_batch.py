@@ -1,0 +1,362 @@
+"""OpenAI Batch API lines in and out.
+
+Input: ``{"custom_id", "method": "POST", "url", "body"}`` with url ``/v1/chat/completions``
+(body.messages) or ``/v1/completions`` (body.prompt) -> Job, with custom_id as job_id.
+Output: ``openai_batch_output_line(result, url)`` -> the OpenAI Batch output line
+``{"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"}`` with a
+``chat.completion`` or ``text_completion`` body, so OpenAI Batch tooling reads it unchanged.
+
+Body fields are mapped, accepted as no-ops when they hold their default, ignored when they cannot
+change the output (``IGNORED_BODY_FIELDS``), or rejected with a message naming them: a request
+must never run differently from what it asked for without saying so.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from typing import Any
+
+from pydantic import ValidationError
+
+from schemas.constants import (
+    ERROR_INTERNAL,
+    STATUS_ERROR,
+    STATUS_EXPIRED,
+    STATUS_OK,
+)
+from schemas.decode import load_json, readable_id
+from schemas.errors import JobDecodeError, format_validation_error
+from schemas.job import Job
+from schemas.records import Result, TokenLogprob
+
+CHAT_COMPLETIONS_URL = "/v1/chat/completions"
+COMPLETIONS_URL = "/v1/completions"
+OPENAI_BATCH_URLS = (CHAT_COMPLETIONS_URL, COMPLETIONS_URL)
+
+LINE_FIELDS = ("custom_id", "method", "url", "body")
+
+# Fields that cannot change what is generated: accepted and ignored.
+IGNORED_BODY_FIELDS = frozenset({"user", "store", "metadata", "service_tier"})
+
+# Body field -> Sampling field, for both endpoints. The last six are vLLM's extensions of the
+# OpenAI request, accepted by vLLM's OpenAI-compatible server too.
+_SAMPLING_FIELDS = {
+    "max_tokens": "max_tokens",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "seed": "seed",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "min_tokens": "min_tokens",
+    "stop_token_ids": "stop_token_ids",
+    "ignore_eos": "ignore_eos",
+}
+
+# Fields that are fine only at their default value (the value OpenAI uses when it is absent).
+_DEFAULT_ONLY = {
+    "n": (1,),
+    "stream": (False,),
+    "logit_bias": ({},),
+    "echo": (False,),
+    "best_of": (1,),
+    "suffix": ("",),
+    "response_format": ({"type": "text"},),
+    "tools": ([],),
+    "functions": ([],),
+}
+_CHAT_ONLY = {"messages", "max_completion_tokens", "top_logprobs", "response_format", "tools", "functions"}
+_COMPLETIONS_ONLY = {"prompt", "echo", "best_of", "suffix"}
+
+
+def _is_default(name: str, value: Any) -> bool:
+    # Compared with types, so that true does not pass for 1.
+    return any(type(value) is type(d) and value == d for d in _DEFAULT_ONLY[name])
+
+
+def _not_default_reason(name: str, value: Any) -> str:
+    if name == "n" and type(value) is int and value > 1:
+        return "n > 1 is not supported; send one line per sample (with different seeds to get different samples)"
+    if name == "best_of" and type(value) is int and value > 1:
+        return "best_of > 1 is not supported; send one line per candidate"
+    if name == "stream":
+        return "streaming is not part of a batch request (use the Job field stream for token events)"
+    if name in ("tools", "functions"):
+        return "tool and function calling are not supported"
+    if name == "response_format":
+        return 'only {"type": "text"} is supported'
+    if name == "logit_bias":
+        return "logit_bias is not supported"
+    if name == "echo":
+        return "echo is not supported"
+    if name == "suffix":
+        return "suffix (insertion) is not supported"
+    return f"must be {_DEFAULT_ONLY[name][0]!r}"
+
+
+def _chat_message(msg: Any, index: int, problems: list[str]) -> Any:
+    """OpenAI message forms -> Job message form. Other shapes pass through for the Job model
+    to report (with their path)."""
+    if not isinstance(msg, dict):
+        return msg
+    out = dict(msg)
+    if out.get("role") == "developer":  # OpenAI's newer name for the system role
+        out["role"] = "system"
+    content = out.get("content")
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+                if set(part) - {"type", "text"}:
+                    extra = sorted(set(part) - {"type", "text"})
+                    problems.append(f"body.messages[{index}].content[{j}]: unknown fields {extra}")
+                texts.append(part["text"])
+            else:
+                problems.append(f"body.messages[{index}].content[{j}]: only text parts are supported")
+        # Text parts are joined with newlines (vLLM does the same).
+        out["content"] = "\n".join(texts)
+    return out
+
+
+def _completion_prompt(prompt: Any, problems: list[str]) -> tuple[str, Any]:
+    """body.prompt -> ("prompt", str) or ("prompt_token_ids", list). One prompt per line."""
+    if isinstance(prompt, list) and prompt:
+        if all(type(t) is int for t in prompt):
+            return "prompt_token_ids", prompt
+        if len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            return _completion_prompt(prompt[0], problems)
+        if all(isinstance(p, (str, list)) for p in prompt):
+            problems.append(
+                f"body.prompt: holds {len(prompt)} prompts; a batch line carries one (send one line per prompt)"
+            )
+            return "prompt", None
+    if isinstance(prompt, list):  # empty list, or ints mixed with other things
+        return "prompt_token_ids", prompt
+    return "prompt", prompt
+
+
+def job_from_openai_batch_line(line: dict[str, Any] | bytes | bytearray | str) -> Job:
+    """One OpenAI Batch input line -> Job. Raises only JobDecodeError (invalid_job), with
+    job_id = custom_id when it can be read."""
+    obj = line if isinstance(line, dict) else load_json(line)
+    if not isinstance(obj, dict):
+        raise JobDecodeError.invalid("an OpenAI batch line must be a JSON object")
+    job_id = readable_id(obj.get("custom_id"))
+    problems: list[str] = []
+    for name in LINE_FIELDS:
+        if name not in obj:
+            problems.append(f"{name}: required")
+    for name in sorted(set(obj) - set(LINE_FIELDS)):
+        problems.append(f"{name}: unknown field")
+    if "method" in obj and obj["method"] != "POST":
+        problems.append("method: must be 'POST'")
+    url = obj.get("url")
+    if "url" in obj and url not in OPENAI_BATCH_URLS:
+        problems.append(f"url: must be one of {', '.join(OPENAI_BATCH_URLS)} (got {url!r})")
+    body = obj.get("body")
+    if "body" in obj and not isinstance(body, dict):
+        problems.append("body: must be an object")
+    if problems or not isinstance(body, dict):
+        raise JobDecodeError.invalid("; ".join(problems), job_id)
+
+    chat = url == CHAT_COMPLETIONS_URL
+    job: dict[str, Any] = {"job_id": obj["custom_id"]}
+    sampling: dict[str, Any] = {}
+    # Job path -> path the producer wrote, so validation messages name the OpenAI fields.
+    rename = {"job_id": "custom_id", "model": "body.model"}
+
+    for name, value in body.items():
+        if name in IGNORED_BODY_FIELDS:
+            continue
+        if (name in _CHAT_ONLY and not chat) or (name in _COMPLETIONS_ONLY and chat):
+            problems.append(f"body.{name}: not a field of {url}")
+            continue
+        if name in _DEFAULT_ONLY:
+            if value is not None and not _is_default(name, value):
+                problems.append(f"body.{name}: {_not_default_reason(name, value)}")
+            continue
+        if value is None and name not in ("messages", "prompt", "model"):
+            continue  # OpenAI reads null as "use the default"
+        if name in _SAMPLING_FIELDS:
+            sampling[_SAMPLING_FIELDS[name]] = value
+            rename[f"sampling.{_SAMPLING_FIELDS[name]}"] = f"body.{name}"
+        elif name == "max_completion_tokens":
+            sampling["max_tokens"] = value
+            rename["sampling.max_tokens"] = "body.max_completion_tokens"
+        elif name == "stop":
+            sampling["stop"] = [value] if isinstance(value, str) else value
+            rename["sampling.stop"] = "body.stop"
+        elif name == "model":
+            job["model"] = value
+        elif name == "messages":
+            if isinstance(value, list):
+                value = [_chat_message(m, i, problems) for i, m in enumerate(value)]
+            job["messages"] = value
+            rename["messages"] = "body.messages"
+        elif name == "prompt":
+            field, prompt = _completion_prompt(value, problems)
+            job[field] = prompt
+            rename[field] = "body.prompt"
+        elif name == "logprobs" and not chat:
+            sampling["logprobs"] = value  # completions: top-N count, 0 = only the chosen token
+            rename["sampling.logprobs"] = "body.logprobs"
+        elif name in ("logprobs", "top_logprobs"):
+            pass  # chat: combined below
+        else:
+            problems.append(f"body.{name}: not supported")
+
+    if chat:
+        if "messages" not in body:
+            problems.append("body.messages: required")
+        if "max_tokens" in body and "max_completion_tokens" in body:
+            a, b = body["max_tokens"], body["max_completion_tokens"]
+            if a is not None and b is not None and a != b:
+                problems.append("body.max_tokens, body.max_completion_tokens: both given with different values")
+            elif a is not None:
+                sampling["max_tokens"] = a
+                rename["sampling.max_tokens"] = "body.max_tokens"
+        want, top = body.get("logprobs"), body.get("top_logprobs")
+        if want is not None and type(want) is not bool:
+            problems.append("body.logprobs: must be true or false")
+        elif want:
+            sampling["logprobs"] = 0 if top is None else top
+            rename["sampling.logprobs"] = "body.top_logprobs"
+        elif top is not None:
+            problems.append("body.top_logprobs: needs logprobs: true")
+    elif "prompt" not in body:
+        problems.append("body.prompt: required")
+
+    if problems:
+        raise JobDecodeError.invalid("; ".join(problems), job_id)
+    if sampling:
+        job["sampling"] = sampling
+    try:
+        return Job.model_validate(job)
+    except ValidationError as exc:
+        raise JobDecodeError.invalid(format_validation_error(exc, rename), job_id) from None
+    except RecursionError:
+        raise JobDecodeError.invalid("nested too deeply", job_id) from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Output
+
+
+def _digest(result: Result) -> str:
+    return hashlib.sha256(f"{result.job_id}\0{result.attempt}".encode()).hexdigest()[:24]
+
+
+def _usage(result: Result) -> dict[str, Any]:
+    u = result.usage
+    return {
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens},
+    }
+
+
+def _chat_logprobs(logprobs: list[TokenLogprob]) -> dict[str, Any]:
+    def entry(token: str, logprob: float | None) -> dict[str, Any]:
+        # OpenAI writes -9999.0 for a probability too small to represent.
+        lp = -9999.0 if logprob is None else logprob
+        return {"token": token, "logprob": lp, "bytes": list(token.encode("utf-8", errors="replace"))}
+
+    content = []
+    for t in logprobs:
+        item = entry(t.token, t.logprob)
+        item["top_logprobs"] = [entry(a.token, a.logprob) for a in t.top_logprobs]
+        content.append(item)
+    return {"content": content, "refusal": None}
+
+
+def _completion_logprobs(logprobs: list[TokenLogprob]) -> dict[str, Any]:
+    offsets, at = [], 0
+    for t in logprobs:
+        offsets.append(at)
+        at += len(t.token)
+    return {
+        "tokens": [t.token for t in logprobs],
+        "token_logprobs": [t.logprob for t in logprobs],
+        # A dict per position, as OpenAI writes it (tokens with the same text collapse).
+        "top_logprobs": [{a.token: a.logprob for a in t.top_logprobs} for t in logprobs],
+        "text_offset": offsets,
+    }
+
+
+def _ok_body(result: Result, url: str, created: int) -> dict[str, Any]:
+    digest = _digest(result)
+    if url == CHAT_COMPLETIONS_URL:
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": {"role": "assistant", "content": result.text, "refusal": None},
+            "logprobs": _chat_logprobs(result.logprobs) if result.logprobs is not None else None,
+            "finish_reason": result.finish_reason,
+        }
+        obj, prefix = "chat.completion", "chatcmpl-"
+    else:
+        choice = {
+            "text": result.text,
+            "index": 0,
+            "logprobs": _completion_logprobs(result.logprobs) if result.logprobs is not None else None,
+            "finish_reason": result.finish_reason,
+        }
+        obj, prefix = "text_completion", "cmpl-"
+    return {
+        "id": prefix + digest,
+        "object": obj,
+        "created": created,
+        "model": result.model,
+        "choices": [choice],
+        "usage": _usage(result),
+        "system_fingerprint": None,
+    }
+
+
+def openai_batch_output_line(result: Result, url: str | None, *, created: int | None = None) -> dict[str, Any]:
+    """A Result -> one OpenAI Batch output line (a dict; write it as one JSON line).
+
+    ``url`` is the input line's url; it picks the body shape of successful results (a Result of
+    a plain Job line may use ``CHAT_COMPLETIONS_URL`` for messages, ``COMPLETIONS_URL`` otherwise)
+    and may be None for failed ones. ``created`` defaults to now (unix seconds).
+
+    status ok -> HTTP 200 with the completion body; status error -> HTTP 400 (500 for
+    ``internal``) with an OpenAI error body; status expired -> no response and the error
+    ``batch_expired``, as OpenAI reports requests its batch window did not reach.
+    """
+    digest = _digest(result)
+    line: dict[str, Any] = {"id": f"batch_req_{digest}", "custom_id": result.job_id}
+    if result.status == STATUS_OK:
+        if url not in OPENAI_BATCH_URLS:
+            raise ValueError(f"url must be one of {', '.join(OPENAI_BATCH_URLS)}, got {url!r}")
+        when = int(time.time()) if created is None else created
+        line["response"] = {"status_code": 200, "request_id": f"req_{digest}", "body": _ok_body(result, url, when)}
+        line["error"] = None
+    elif result.status == STATUS_ERROR:
+        assert result.error is not None  # guaranteed by Result's validation
+        internal = result.error.code == ERROR_INTERNAL
+        line["response"] = {
+            "status_code": 500 if internal else 400,
+            "request_id": f"req_{digest}",
+            "body": {
+                "error": {
+                    "message": result.error.message,
+                    "type": "server_error" if internal else "invalid_request_error",
+                    "param": None,
+                    "code": result.error.code,
+                }
+            },
+        }
+        line["error"] = None
+    elif result.status == STATUS_EXPIRED:
+        line["response"] = None
+        line["error"] = {
+            "code": "batch_expired",
+            "message": "This request could not be executed before its deadline expired.",
+        }
+    else:  # pragma: no cover - Result only admits the three statuses
+        raise ValueError(f"unknown status {result.status!r}")
+    return line

@@ -1,0 +1,156 @@
+"""What workers publish: TokenEvents (the stream) and Results (one per execution of a job).
+
+Readers are tolerant: unknown fields in these records are ignored, so a reader keeps working
+when a newer worker adds a field (the contract only changes in backwards-compatible ways).
+Types are still strict, and a Result's status, finish_reason and error must agree.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer, model_validator
+
+from schemas.constants import (
+    STATUS_ERROR,
+    STATUS_OK,
+    ErrorCode,
+    FinishReasonName,
+    Status,
+)
+from schemas.job import Count, FiniteFloat, JobId, TokenId
+
+NonNegativeMs = Annotated[FiniteFloat, Field(ge=0)]
+
+
+class RecordModel(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class TokenEvent(RecordModel):
+    """New tokens of one attempt of a streaming job (value on the tokens topic, key job_id)."""
+
+    job_id: JobId
+    attempt: str = Field(min_length=1, description="Unique per execution; a new attempt restarts the text.")
+    index: Count = Field(description="Counts this attempt's events from 0 without gaps.")
+    token_ids: list[TokenId] = Field(description="Token ids new in this event.")
+    text: str = Field(description="Text new in this event (held back while it could start a stop string).")
+    finished: bool = Field(False, description="True on the attempt's last event.")
+
+    def to_json_bytes(self) -> bytes:
+        return self.model_dump_json().encode()
+
+
+class Usage(RecordModel):
+    prompt_tokens: Count = 0
+    completion_tokens: Count = 0
+    cached_prompt_tokens: Count = Field(0, description="Prompt tokens served from the prefix cache.")
+
+
+class Timing(RecordModel):
+    queue_ms: NonNegativeMs = Field(0.0, description="Arrival at the engine -> first scheduled.")
+    ttft_ms: NonNegativeMs = Field(0.0, description="Arrival -> first output token.")
+    decode_ms: NonNegativeMs = Field(0.0, description="First output token -> finish.")
+    total_ms: NonNegativeMs = Field(0.0, description="Arrival -> finish.")
+
+
+class Source(RecordModel):
+    """Where the job came from (absent for jobs that did not come from Kafka)."""
+
+    topic: str = Field(min_length=1)
+    partition: Count
+    offset: Annotated[int, Field(ge=0)]
+
+
+class ErrorInfo(RecordModel):
+    code: ErrorCode
+    message: str = Field(min_length=1)
+
+
+class TopLogprob(RecordModel):
+    token_id: TokenId
+    token: str
+    logprob: FiniteFloat | None = Field(description="null stands for -infinity (JSON has no infinity).")
+
+
+class TokenLogprob(RecordModel):
+    """The chosen token's logprob and the top-N alternatives at that position."""
+
+    token_id: TokenId
+    token: str
+    logprob: FiniteFloat | None = Field(description="null stands for -infinity (JSON has no infinity).")
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+# Optional parts left out of the wire form when they are not there ("logprobs appears when asked").
+_OMITTED_WHEN_NONE = ("source", "metadata", "error", "logprobs")
+
+
+class Result(RecordModel):
+    """The completion record of one execution of a job (value on the results topic, key job_id)."""
+
+    model_config = ConfigDict(
+        strict=True,
+        extra="ignore",
+        json_schema_extra={
+            "allOf": [
+                {
+                    "if": {"properties": {"status": {"const": "ok"}}, "required": ["status"]},
+                    "then": {
+                        "required": ["finish_reason"],
+                        "properties": {"finish_reason": {"enum": ["stop", "length"]}, "error": {"type": "null"}},
+                    },
+                },
+                {
+                    "if": {"properties": {"status": {"const": "error"}}, "required": ["status"]},
+                    "then": {"required": ["error"], "properties": {"error": {"type": "object"}}},
+                },
+                {
+                    "if": {"properties": {"status": {"const": "expired"}}, "required": ["status"]},
+                    "then": {"properties": {"error": {"type": "null"}}},
+                },
+            ]
+        },
+    )
+
+    job_id: JobId
+    status: Status
+    text: str = Field("", description="The generated text (empty unless status is ok).")
+    token_ids: list[TokenId] = Field(default_factory=list, description="The generated token ids.")
+    finish_reason: FinishReasonName | None = Field(
+        None, description="stop (EOS, stop string or stop token) or length; null unless status is ok."
+    )
+    model: str = Field(description="The worker's served model name.")
+    worker: str = Field(description="The worker that ran this execution.")
+    attempt: str = Field(min_length=1, description="Unique per execution of the job.")
+    usage: Usage = Field(default_factory=Usage)
+    timing: Timing = Field(default_factory=Timing)
+    source: Source | None = None
+    metadata: dict[str, Any] | None = Field(None, description="The job's metadata, unchanged.")
+    error: ErrorInfo | None = Field(None, description="Set exactly when status is error.")
+    logprobs: list[TokenLogprob] | None = Field(None, description="One per generated token, when asked.")
+
+    @model_validator(mode="after")
+    def _status_agrees(self) -> Result:
+        if self.status == STATUS_ERROR:
+            if self.error is None:
+                raise ValueError("a Result with status error needs an error {code, message}")
+        elif self.error is not None:
+            raise ValueError(f"a Result with status {self.status} must not carry an error")
+        if self.status == STATUS_OK and self.finish_reason is None:
+            raise ValueError("a Result with status ok needs a finish_reason")
+        if self.status != STATUS_OK and self.finish_reason is not None:
+            raise ValueError(f"a Result with status {self.status} has no finish_reason")
+        return self
+
+    @model_serializer(mode="wrap")
+    def _omit_absent_parts(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        for name in _OMITTED_WHEN_NONE:
+            if data.get(name) is None:
+                data.pop(name, None)
+        return data
+
+    def to_json_bytes(self) -> bytes:
+        """The wire form (UTF-8 JSON)."""
+        return self.model_dump_json().encode()

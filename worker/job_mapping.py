@@ -1,0 +1,218 @@
+"""Jobs (the wire contract) to engine requests, and engine outcomes to Results.
+
+Shared by the offline ``run-batch`` command, the Kafka worker and backfill, so a job means the
+same thing on every path. Imports only the engine's plain data types (never torch), so it stays
+cheap to import on the Kafka side.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from typing import Any
+
+from schemas import (
+    ERROR_CODES,
+    ERROR_INTERNAL,
+    STATUS_ERROR,
+    STATUS_EXPIRED,
+    STATUS_OK,
+    ErrorInfo,
+    Job,
+    Result,
+    Source,
+)
+from schemas import Timing as TimingRecord
+from schemas import TokenLogprob as TokenLogprobRecord
+from schemas import TopLogprob as TopLogprobRecord
+from schemas import Usage as UsageRecord
+from worker.engine.types import (
+    EngineRequest,
+    FinishReason,
+    RequestDelta,
+    SamplingParams,
+    TokenLogprob,
+)
+
+
+def job_to_engine_request(
+    job: Job, arrival_time: float | None = None, *, request_id: str | None = None
+) -> EngineRequest:
+    """A validated Job -> EngineRequest. ``request_id`` defaults to the job_id (a caller that may
+    run two executions of one job at once must pass distinct ids, e.g. the attempt id);
+    ``arrival_time`` (unix seconds) defaults to now."""
+    s = job.sampling
+    sampling = SamplingParams(
+        max_tokens=s.max_tokens,
+        min_tokens=s.min_tokens,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        min_p=s.min_p,
+        repetition_penalty=s.repetition_penalty,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        seed=s.seed,
+        stop=list(s.stop),
+        stop_token_ids=list(s.stop_token_ids),
+        ignore_eos=s.ignore_eos,
+        logprobs=s.logprobs,
+    )
+    return EngineRequest(
+        request_id=job.job_id if request_id is None else request_id,
+        prompt=job.prompt,
+        messages=None if job.messages is None else [{"role": m.role, "content": m.content} for m in job.messages],
+        prompt_token_ids=None if job.prompt_token_ids is None else list(job.prompt_token_ids),
+        sampling=sampling,
+        priority=job.priority,
+        deadline_ms=None if job.deadline_ms is None else float(job.deadline_ms),
+        tenant=job.tenant,
+        arrival_time=time.time() if arrival_time is None else arrival_time,
+    )
+
+
+def new_attempt_id(worker: str) -> str:
+    """A fresh id for one execution of a job: ``<worker>-<12 random hex digits>``."""
+    if not worker:
+        raise ValueError("worker name must not be empty")
+    return f"{worker}-{secrets.token_hex(6)}"
+
+
+def _finite_or_none(x: float) -> float | None:
+    # JSON has no -infinity; a token the distribution rules out (top-k, min-p) is written as null.
+    return x if x == x and abs(x) != float("inf") else None
+
+
+def _logprob_records(logprobs: list[TokenLogprob]) -> list[TokenLogprobRecord]:
+    return [
+        TokenLogprobRecord(
+            token_id=lp.token_id,
+            token=lp.token,
+            logprob=_finite_or_none(float(lp.logprob)),
+            top_logprobs=[
+                TopLogprobRecord(token_id=int(tid), token=text, logprob=_finite_or_none(float(value)))
+                for tid, text, value in lp.top_logprobs
+            ],
+        )
+        for lp in logprobs
+    ]
+
+
+def split_engine_error(error: str | None) -> tuple[str, str]:
+    """The engine's error text -> (contract error code, message).
+
+    The engine prefixes errors a caller must tell apart with their code
+    (``"prompt_too_long: prompt has 5000 tokens, the model allows 4096"``); anything else is
+    ``internal``.
+    """
+    text = (error or "").strip()
+    code, sep, rest = text.partition(":")
+    if sep and code.strip() in ERROR_CODES:
+        return code.strip(), rest.strip() or code.strip()
+    return ERROR_INTERNAL, text or "the engine failed without a message"
+
+
+def build_result(
+    job: Job,
+    delta: RequestDelta,
+    *,
+    model: str,
+    worker: str,
+    attempt: str,
+    source: Source | None = None,
+    logprobs: list[TokenLogprob] | None = None,
+) -> Result:
+    """The Result of one execution of ``job`` from its final RequestDelta.
+
+    stop/length -> status ok; EXPIRED -> expired; ERROR -> error with the code the engine gave
+    (``prompt_too_long`` ...) or ``internal``; ABORTED -> error ``internal`` (an aborted request
+    normally is not published at all: its job is redelivered).
+
+    ``logprobs``: every generated token's logprob, gathered from all deltas of the request (each
+    delta carries only its new tokens'). When the job asked for logprobs and this is not given,
+    the final delta's own logprobs are used if they cover the whole output, else ValueError:
+    a truncated logprob list must not pass as a complete one.
+    """
+    if not delta.finished or delta.finish_reason is None:
+        raise ValueError(f"request {delta.request_id}: a Result needs the final delta (finished with a reason)")
+    reason = FinishReason(delta.finish_reason)
+    usage = delta.usage
+    timing = delta.timing
+    common: dict[str, Any] = {
+        "job_id": job.job_id,
+        "model": model,
+        "worker": worker,
+        "attempt": attempt,
+        "usage": UsageRecord(
+            prompt_tokens=usage.prompt_tokens,
+            completion_tokens=usage.completion_tokens,
+            cached_prompt_tokens=usage.cached_prompt_tokens,
+        )
+        if usage is not None
+        else UsageRecord(),
+        "timing": TimingRecord(
+            queue_ms=max(0.0, float(timing.queue_ms)),
+            ttft_ms=max(0.0, float(timing.ttft_ms)),
+            decode_ms=max(0.0, float(timing.decode_ms)),
+            total_ms=max(0.0, float(timing.total_ms)),
+        )
+        if timing is not None
+        else TimingRecord(),
+        "source": source,
+        "metadata": job.metadata,
+    }
+    if reason in (FinishReason.STOP, FinishReason.LENGTH):
+        if delta.output_token_ids is None or delta.output_text is None:
+            raise ValueError(f"request {delta.request_id}: the final delta lacks output_token_ids/output_text")
+        token_ids = [int(t) for t in delta.output_token_ids]
+        records = None
+        if job.sampling.logprobs is not None:
+            given = logprobs if logprobs is not None else delta.logprobs
+            if given is None or len(given) != len(token_ids):
+                have = 0 if given is None else len(given)
+                raise ValueError(
+                    f"request {delta.request_id}: job asked for logprobs; got {have} for {len(token_ids)} "
+                    "tokens (pass the logprobs gathered from every delta)"
+                )
+            records = _logprob_records(given)
+        return Result(
+            status=STATUS_OK,
+            text=delta.output_text,
+            token_ids=token_ids,
+            finish_reason=reason.value,
+            logprobs=records,
+            **common,
+        )
+    if reason == FinishReason.EXPIRED:
+        return Result(status=STATUS_EXPIRED, **common)
+    if reason == FinishReason.ERROR:
+        code, message = split_engine_error(delta.error)
+    else:  # ABORTED
+        code, message = ERROR_INTERNAL, f"aborted before finishing{': ' + delta.error if delta.error else ''}"
+    return Result(status=STATUS_ERROR, error=ErrorInfo(code=code, message=message), **common)
+
+
+def error_result(
+    job_id: str,
+    code: str,
+    message: str,
+    *,
+    model: str,
+    worker: str,
+    attempt: str,
+    source: Source | None = None,
+    metadata: dict[str, Any] | None = None,
+) -> Result:
+    """An error Result for a job that did not run (invalid input, wrong model, worker failure)."""
+    if code not in ERROR_CODES:
+        raise ValueError(f"unknown error code {code!r}; expected one of {', '.join(ERROR_CODES)}")
+    return Result(
+        job_id=job_id,
+        status=STATUS_ERROR,
+        model=model,
+        worker=worker,
+        attempt=attempt,
+        source=source,
+        metadata=metadata,
+        error=ErrorInfo(code=code, message=message or code),
+    )
