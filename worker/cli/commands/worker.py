@@ -1,0 +1,188 @@
+"""`tokenmill worker`: a consumer-group member that runs jobs from Kafka until SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text}: must be >= 1")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"{text}: must be >= 0")
+    return value
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "worker",
+        help="run jobs from the jobs topic and publish Results (until SIGTERM/SIGINT, then drain)",
+        description=(
+            "Consume Jobs from Kafka, run them on the engine, publish TokenEvents and Results, commit input "
+            "offsets only once Results are durable. Every flag also reads TOKENMILL_<FLAG>."
+        ),
+    )
+    k = p.add_argument_group("Kafka")
+    k.add_argument("--bootstrap-servers", required=True, help="host:port[,host:port...]")
+    k.add_argument("--group-id", default="tokenmill", help="consumer group (default: tokenmill)")
+    k.add_argument("--jobs-topic", default="tokenmill.jobs")
+    k.add_argument("--results-topic", default="tokenmill.results")
+    k.add_argument("--tokens-topic", default="tokenmill.tokens")
+    k.add_argument("--dlq-topic", default="tokenmill.dlq")
+    k.add_argument(
+        "--exactly-once", action="store_true",
+        help="Result and input offset in one transaction (read_committed readers see one Result per job)",
+    )
+    k.add_argument("--instance-id", default=None, help="static group membership id (no rebalance on restart)")
+    k.add_argument("--worker-name", default=None, help="name in Results and attempt ids (default host-pid)")
+    k.add_argument("--session-timeout-ms", type=_positive_int, default=10_000)
+    k.add_argument("--commit-interval", type=float, default=1.0, help="seconds between watermark commits")
+
+    d = p.add_argument_group("Delivery")
+    d.add_argument("--drain-timeout", type=_non_negative_float, default=30.0,
+                   help="seconds in-flight jobs get to finish on shutdown (default 30)")
+    d.add_argument("--revoke-grace", type=_non_negative_float, default=5.0,
+                   help="seconds a revoked partition's in-flight jobs get to finish (default 5)")
+    d.add_argument("--max-inflight-per-partition", type=_positive_int, default=1024,
+                   help="cap on offsets between a partition's commit point and its fetch position")
+    d.add_argument("--max-inflight-per-tenant", type=int, default=0,
+                   help="jobs of one tenant running at once (0 = no cap)")
+    d.add_argument("--bad-input-ratio", type=float, default=0.9,
+                   help="stop the worker when this share of the last --bad-input-window inputs was bad")
+    d.add_argument("--bad-input-window", type=_positive_int, default=200)
+    d.add_argument("--backpressure-waiting-high", type=_positive_int, default=None,
+                   help="pause fetching above this many waiting requests (default 2 x --max-num-seqs)")
+    d.add_argument("--backpressure-kv-high", type=float, default=0.95, help="pause fetching above this KV usage")
+
+    e = p.add_argument_group("Engine")
+    e.add_argument("--model", required=True, help="checkpoint folder or s3://bucket/prefix/")
+    e.add_argument("--served-model-name", default=None, help="name jobs' `model` field must match")
+    e.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    e.add_argument("--device", default="auto")
+    e.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "torch"])
+    e.add_argument("--block-size", type=_positive_int, default=16)
+    e.add_argument("--kv-cache-gb", type=float, default=None)
+    e.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048)
+    e.add_argument("--max-num-seqs", type=_positive_int, default=256)
+    e.add_argument("--max-model-len", type=_positive_int, default=None)
+    e.add_argument("--no-prefix-caching", action="store_true")
+    e.add_argument("--seed", type=int, default=0)
+
+    o = p.add_argument_group("Operations")
+    o.add_argument("--metrics-port", type=int, default=None,
+                   help="serve /metrics, /healthz, /readyz on this port (0 = any free port)")
+    o.add_argument("--metrics-host", default="0.0.0.0")
+    o.add_argument("--log-level", default="INFO")
+
+    s = p.add_argument_group("Security (SSL, SASL PLAIN / SCRAM)")
+    s.add_argument("--security-protocol", default="PLAINTEXT",
+                   choices=["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"])
+    s.add_argument("--sasl-mechanism", default=None, choices=["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"])
+    s.add_argument("--sasl-username", default=None)
+    s.add_argument("--sasl-password", default=None,
+                   help="prefer TOKENMILL_SASL_PASSWORD or --sasl-password-file (flags show in `ps`)")
+    s.add_argument("--sasl-password-file", default=None)
+    s.add_argument("--ssl-cafile", default=None)
+    s.add_argument("--ssl-certfile", default=None)
+    s.add_argument("--ssl-keyfile", default=None)
+    s.add_argument("--ssl-key-password-file", default=None)
+    s.add_argument("--ssl-no-check-hostname", action="store_true")
+    p.set_defaults(func=run)
+
+
+def settings_from_args(args):
+    from worker.config import EngineSettings, WorkerSettings
+    from worker.kafka.backpressure import BackpressurePolicy
+    from worker.kafka.security import KafkaSecurity, read_secret
+
+    engine = EngineSettings(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        attention_backend=args.attention_backend,
+        block_size=args.block_size,
+        kv_cache_gb=args.kv_cache_gb,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=not args.no_prefix_caching,
+        served_model_name=args.served_model_name,
+        seed=args.seed,
+    )
+    waiting_high = args.backpressure_waiting_high or 2 * args.max_num_seqs
+    kv_high = args.backpressure_kv_high
+    backpressure = BackpressurePolicy(
+        waiting_high=waiting_high,
+        waiting_low=waiting_high // 2,
+        kv_high=kv_high,
+        kv_low=max(0.0, kv_high - 0.15),
+    )
+    security = KafkaSecurity(
+        protocol=args.security_protocol,
+        sasl_mechanism=args.sasl_mechanism,
+        sasl_username=args.sasl_username,
+        sasl_password=read_secret(args.sasl_password, args.sasl_password_file, "SASL password"),
+        ssl_cafile=args.ssl_cafile,
+        ssl_certfile=args.ssl_certfile,
+        ssl_keyfile=args.ssl_keyfile,
+        ssl_key_password=read_secret(None, args.ssl_key_password_file, "SSL key password"),
+        ssl_check_hostname=not args.ssl_no_check_hostname,
+    )
+    settings = WorkerSettings(
+        bootstrap_servers=args.bootstrap_servers,
+        engine=engine,
+        group_id=args.group_id,
+        jobs_topic=args.jobs_topic,
+        results_topic=args.results_topic,
+        tokens_topic=args.tokens_topic,
+        dlq_topic=args.dlq_topic,
+        exactly_once=args.exactly_once,
+        instance_id=args.instance_id,
+        drain_timeout_s=args.drain_timeout,
+        revoke_grace_s=args.revoke_grace,
+        commit_interval_s=args.commit_interval,
+        metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
+        max_inflight_per_partition=args.max_inflight_per_partition,
+        max_inflight_per_tenant=args.max_inflight_per_tenant,
+        bad_input_ratio=args.bad_input_ratio,
+        bad_input_window=args.bad_input_window,
+        session_timeout_ms=args.session_timeout_ms,
+        heartbeat_interval_ms=max(100, args.session_timeout_ms // 3),
+        backpressure=backpressure,
+        security=security,
+    )
+    if args.worker_name:
+        settings.worker_name = args.worker_name
+    elif args.instance_id:
+        settings.worker_name = args.instance_id
+    settings.validate()
+    return settings
+
+
+def run(args) -> int:
+    import asyncio
+    import sys
+
+    from worker.logging import configure_logging
+
+    try:
+        configure_logging(args.log_level)
+        settings = settings_from_args(args)
+    except ValueError as exc:
+        print(f"tokenmill worker: {exc}", file=sys.stderr)
+        return 2
+
+    from worker.kafka.consumer import KafkaWorker
+
+    worker = KafkaWorker(settings)
+    code = asyncio.run(worker.run())
+    if code != 0 and worker._fatal:
+        print(f"tokenmill worker: {worker._fatal}", file=sys.stderr)
+    return code
