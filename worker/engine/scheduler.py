@@ -172,7 +172,6 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         req.status = RequestStatus.WAITING
-        req.runner_row = -1
         self.waiting.append(req)  # its early arrival sorts it to the front of waiting
         if req.deadline_ms is not None:
             self._num_waiting_with_deadline += 1

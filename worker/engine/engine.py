@@ -1,0 +1,443 @@
+"""The engine: add requests, step, get deltas. Continuous batching over a paged KV cache.
+
+One step = schedule (scheduler.py) -> one batched forward over every scheduled token
+(model_runner.py) -> sample the rows that finish their tokens (sampler.py) -> append tokens,
+detokenize, check finish rules -> release what finished.
+
+Finish rules (checked in this order after each new token):
+  EOS (unless ignore_eos; only once min_tokens are out) and stop_token_ids -> STOP, the token is
+  kept in output_token_ids but adds no text; a stop string -> STOP, text ends before it;
+  max_tokens -> LENGTH; the sequence reached the engine's max_model_len -> LENGTH.
+
+Imports nothing from Kafka, pydantic schemas or boto3: it must run alone on a GPU machine.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from worker.engine.block_manager import BlockManager
+from worker.engine.model_runner import ModelRunner, StepInputs
+from worker.engine.request import Request, RequestStatus
+from worker.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from worker.engine.types import (
+    EngineRequest,
+    EngineStats,
+    FinishReason,
+    RequestDelta,
+    Timing,
+    TokenLogprob,
+    Usage,
+)
+
+log = logging.getLogger(__name__)
+
+CPU_DEFAULT_KV_GB = 2.0  # CPU has no "free accelerator memory" to take a fraction of
+# Head-room kept free on CUDA for activations of the largest step, on top of the memory fraction.
+CUDA_ACTIVATION_RESERVE_BYTES = 512 * 1024**2
+
+
+@dataclass
+class EngineConfig:
+    model: str  # checkpoint directory
+    dtype: str = "auto"  # auto|float32|bfloat16|float16
+    device: str = "auto"  # auto = cuda if available else cpu
+    attention_backend: str = "auto"  # auto|torch|triton
+    block_size: int = 16
+    kv_cache_gb: float | None = None  # None: fraction of free GPU memory on CUDA, a sane default on CPU
+    gpu_memory_fraction: float = 0.85
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    served_model_name: str | None = None  # default: directory name
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.block_size < 1:
+            problems.append("block_size must be >= 1")
+        if self.kv_cache_gb is not None and self.kv_cache_gb <= 0:
+            problems.append("kv_cache_gb must be > 0")
+        if not 0 < self.gpu_memory_fraction <= 1:
+            problems.append("gpu_memory_fraction must be in (0, 1]")
+        if self.max_num_batched_tokens < 1:
+            problems.append("max_num_batched_tokens must be >= 1")
+        if self.max_num_seqs < 1:
+            problems.append("max_num_seqs must be >= 1")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            problems.append("max_model_len must be >= 1")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+
+@dataclass
+class EngineMetrics:
+    """Counters beyond EngineStats, for benchmarks and tests."""
+
+    num_preemptions: int = 0
+    prompt_tokens_computed: int = 0  # prefill work actually done (recomputes included)
+    output_tokens: int = 0
+    # KV slot utilization at the step with the most blocks in use.
+    peak_blocks_used: int = 0
+    kv_slot_utilization_at_peak: float = 0.0
+    # Step wall time split at the step with the most running sequences.
+    peak_running: int = 0
+    peak_step_wall_s: float = 0.0
+    peak_step_model_s: float = 0.0  # forward + LM head + sampling
+    step_wall_s_total: float = 0.0
+    step_model_s_total: float = 0.0
+    last_step: dict = field(default_factory=dict)
+
+    @property
+    def overhead_fraction_at_peak(self) -> float:
+        if self.peak_step_wall_s <= 0:
+            return 0.0
+        return max(0.0, self.peak_step_wall_s - self.peak_step_model_s) / self.peak_step_wall_s
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} asked for, but CUDA is not available")
+    return dev
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        from worker.engine.attention import get_attention_backend
+        from worker.engine.loader import load_model
+        from worker.engine.sampler import Sampler
+        from worker.engine.tokenizer import load_tokenizer
+
+        self.config = config
+        self.device = resolve_device(config.device)
+        backend = get_attention_backend(config.attention_backend, self.device)
+        self.model, self.model_config = load_model(
+            config.model, dtype=config.dtype, device=self.device, attention_backend=backend
+        )
+        self.attention_backend = backend
+        self.tokenizer = load_tokenizer(config.model)
+        self.served_model_name = config.served_model_name or Path(str(config.model).rstrip("/")).name
+        mc = self.model_config
+
+        max_len = mc.max_model_len
+        if config.max_model_len is not None:
+            if config.max_model_len > mc.max_model_len:
+                raise ValueError(
+                    f"max_model_len {config.max_model_len} exceeds the model's limit {mc.max_model_len}"
+                )
+            max_len = config.max_model_len
+        bs = config.block_size
+        per_block = ModelRunner.kv_bytes_per_block(mc.num_layers, mc.num_kv_heads, mc.head_dim, mc.dtype, bs)
+        num_blocks = self._num_kv_blocks(per_block, max_len)
+        # A single sequence must always fit in the pool, or it could never finish.
+        self.max_model_len = min(max_len, num_blocks * bs)
+        self.eos_token_ids = list(mc.eos_token_ids)
+        self._eos = frozenset(self.eos_token_ids)
+
+        self.block_manager = BlockManager(num_blocks, bs, enable_prefix_caching=config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_num_seqs=config.max_num_seqs,
+                max_model_len=self.max_model_len,
+            ),
+            self.block_manager,
+        )
+        self.runner = ModelRunner(
+            self.model,
+            num_layers=mc.num_layers,
+            num_kv_heads=mc.num_kv_heads,
+            head_dim=mc.head_dim,
+            dtype=mc.dtype,
+            device=self.device,
+            num_blocks=num_blocks,
+            block_size=bs,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=self.max_model_len,
+        )
+        self.sampler = Sampler(seed=config.seed)
+        self.requests: dict[str, Request] = {}
+        self._finish_next: list[Request] = []  # errors and aborts reported at the next step
+        self._stats = EngineStats(kv_blocks_total=num_blocks)
+        self.metrics = EngineMetrics()
+        log.info(
+            "engine ready: model=%s device=%s dtype=%s kv_blocks=%d (block %d, %.2f GiB) max_model_len=%d",
+            self.served_model_name, self.device, mc.dtype, num_blocks, bs,
+            num_blocks * per_block / 1024**3, self.max_model_len,
+        )
+
+    # ------------------------------------------------------------------ set-up
+    def _num_kv_blocks(self, bytes_per_block: int, max_len: int) -> int:
+        cfg = self.config
+        if cfg.kv_cache_gb is not None:
+            budget = cfg.kv_cache_gb * 1024**3
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = free - (1 - cfg.gpu_memory_fraction) * total - CUDA_ACTIVATION_RESERVE_BYTES
+        else:
+            budget = CPU_DEFAULT_KV_GB * 1024**3
+        num_blocks = int(budget // bytes_per_block)
+        # More than every sequence at full length could use is wasted memory.
+        useful = cfg.max_num_seqs * -(-max_len // cfg.block_size) + 1
+        if cfg.kv_cache_gb is None:
+            num_blocks = min(num_blocks, useful)
+        if num_blocks < 1:
+            raise ValueError(
+                f"the KV cache budget ({budget / 1024**3:.3f} GiB) holds no block of "
+                f"{bytes_per_block} bytes; raise kv_cache_gb or gpu_memory_fraction"
+            )
+        return num_blocks
+
+    # ------------------------------------------------------------------ requests in
+    def count_prompt_tokens(self, request: EngineRequest) -> int:
+        return len(self._encode(request))
+
+    def _encode(self, request: EngineRequest) -> list[int]:
+        from worker.engine.tokenizer import encode_request
+
+        ids = encode_request(
+            self.tokenizer,
+            prompt=request.prompt,
+            messages=request.messages,
+            prompt_token_ids=request.prompt_token_ids,
+        )
+        return [int(t) for t in ids]
+
+    def add(self, request: EngineRequest) -> None:
+        """Queue a request. Raises ValueError for a bad one; an over-long prompt finishes as ERROR."""
+        from worker.engine.detokenizer import IncrementalDetokenizer
+        from worker.engine.sampler import SamplingInputs
+
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request_id {request.request_id!r}: it is still in the engine")
+        ids = self._encode(request)
+        if not ids:
+            raise ValueError("the prompt is empty (no tokens)")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+        req = Request(request, ids)
+        req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, request.sampling.stop)
+        req.sampling_inputs = SamplingInputs(
+            params=request.sampling,
+            prompt_token_ids=req.prompt_token_ids,
+            output_token_ids=req.output_token_ids,  # the live list: grows as tokens come
+            eos_token_ids=self.eos_token_ids,
+        )
+        self.requests[req.request_id] = req
+        self._stats.prompt_tokens_total += len(ids)
+        if len(ids) > self.max_model_len:
+            req.finish_reason = FinishReason.ERROR
+            req.error = (
+                f"prompt_too_long: the prompt has {len(ids)} tokens, the engine allows at most "
+                f"{self.max_model_len}"
+            )
+            self._finish_next.append(req)
+            return
+        self.scheduler.add(req)
+
+    def abort(self, request_id: str) -> None:
+        """Finish the request with ABORTED at the next step (unknown or finished ids are ignored)."""
+        req = self.requests.get(request_id)
+        if req is None or req.finish_reason is not None:
+            return
+        req.finish_reason = FinishReason.ABORTED
+        self._finish_next.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self._finish_next) or self.scheduler.has_work()
+
+    # ------------------------------------------------------------------ one step
+    def step(self) -> list[RequestDelta]:
+        t_start = time.perf_counter()
+        now = time.time()
+        deltas: list[RequestDelta] = []
+        if self._finish_next:
+            for req in self._finish_next:
+                self.scheduler.remove(req)
+                self.runner.release(req)
+                deltas.append(self._finish(req, req.finish_reason, now, new_ids=[], text=""))
+            self._finish_next = []
+
+        out = self.scheduler.schedule()
+        for req in out.expired:
+            deltas.append(self._finish(req, FinishReason.EXPIRED, now, new_ids=[], text=""))
+        for req in out.preempted:
+            self.runner.release(req)
+        if out.preempted:
+            self.metrics.num_preemptions += len(out.preempted)
+            log.debug("preempted %d request(s)", len(out.preempted))
+
+        model_s = 0.0
+        if not out.is_empty:
+            logits, step_in = self.runner.execute(out.requests, out.num_new_tokens)
+            self._record_kv_use(step_in)
+            self.scheduler.on_step_done(out)
+            model_s = self.runner.last_forward_s
+            if logits is not None:
+                t0 = time.perf_counter()
+                sampled = self.sampler(logits, [r.sampling_inputs for r in step_in.sample_requests])
+                model_s += time.perf_counter() - t0
+                self._process_samples(step_in.sample_requests, sampled, time.time(), deltas)
+            self._stats.steps += 1
+        wall = time.perf_counter() - t_start
+        self._record_step_time(out, wall, model_s)
+        return deltas
+
+    def _process_samples(self, reqs, sampled, now: float, deltas: list[RequestDelta]) -> None:
+        eos = self._eos
+        max_len = self.max_model_len
+        finished: list[Request] = []
+        for req, s in zip(reqs, sampled):
+            tok = s.token_id
+            req.append_output(tok)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            params = req.sampling
+            n_out = len(req.output_token_ids)
+            reason = None
+            text = ""
+            if n_out >= params.min_tokens and (
+                (tok in eos and not params.ignore_eos) or tok in params.stop_token_ids
+            ):
+                reason = FinishReason.STOP  # the stop token itself adds no text
+            else:
+                text, stop_hit = req.detokenizer.add(tok)
+                if stop_hit:
+                    reason = FinishReason.STOP
+                elif n_out >= params.max_tokens or req.num_tokens >= max_len:
+                    reason = FinishReason.LENGTH
+            logprobs = self._logprobs(tok, s) if params.logprobs is not None else None
+            if reason is None:
+                deltas.append(
+                    RequestDelta(
+                        request_id=req.request_id, new_token_ids=[tok], text_delta=text, logprobs=logprobs,
+                        usage=Usage(req.num_prompt_tokens, n_out, req.num_cached_prompt_tokens),
+                    )
+                )
+            else:
+                if reason is not FinishReason.STOP or not req.detokenizer.stopped:
+                    text += req.detokenizer.flush()
+                finished.append(req)
+                deltas.append(self._finish(req, reason, now, new_ids=[tok], text=text, logprobs=logprobs))
+        self._stats.generated_tokens_total += len(reqs)
+        self.metrics.output_tokens += len(reqs)
+        if finished:
+            self.scheduler.remove_finished(finished)
+            for req in finished:
+                self.runner.release(req)
+
+    def _logprobs(self, tok: int, s) -> list[TokenLogprob]:
+        decode = self._token_text
+        return [
+            TokenLogprob(
+                token_id=tok,
+                token=decode(tok),
+                logprob=float(s.logprob) if s.logprob is not None else 0.0,
+                top_logprobs=[(int(i), decode(int(i)), float(lp)) for i, lp in s.top_logprobs],
+            )
+        ]
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _finish(
+        self, req: Request, reason: FinishReason, now: float, *, new_ids: list[int], text: str, logprobs=None
+    ) -> RequestDelta:
+        req.finish_reason = reason
+        req.finish_time = now
+        req.status = RequestStatus.FINISHED
+        self.requests.pop(req.request_id, None)
+        self._stats.cached_prompt_tokens_total += req.num_cached_prompt_tokens
+        arrival = req.arrival_time
+        first_sched = req.first_scheduled_time if req.first_scheduled_time is not None else now
+        first_tok = req.first_token_time
+        timing = Timing(
+            queue_ms=max(0.0, (first_sched - arrival) * 1000.0),
+            ttft_ms=max(0.0, (first_tok - arrival) * 1000.0) if first_tok is not None else 0.0,
+            decode_ms=max(0.0, (now - first_tok) * 1000.0) if first_tok is not None else 0.0,
+            total_ms=max(0.0, (now - arrival) * 1000.0),
+        )
+        return RequestDelta(
+            request_id=req.request_id,
+            new_token_ids=new_ids,
+            text_delta=text,
+            finished=True,
+            finish_reason=reason,
+            logprobs=logprobs,
+            usage=Usage(req.num_prompt_tokens, len(req.output_token_ids), req.num_cached_prompt_tokens),
+            timing=timing,
+            error=req.error if reason is FinishReason.ERROR else None,
+            output_token_ids=list(req.output_token_ids),
+            output_text=req.detokenizer.text if req.detokenizer is not None else "",
+        )
+
+    # ------------------------------------------------------------------ stats
+    def _record_kv_use(self, step_in: StepInputs) -> None:
+        used = self.block_manager.num_used_blocks
+        m = self.metrics
+        m.prompt_tokens_computed += step_in.prompt_tokens_computed
+        if used > m.peak_blocks_used and step_in.slots_allocated:
+            m.peak_blocks_used = used
+            m.kv_slot_utilization_at_peak = step_in.live_tokens / step_in.slots_allocated
+
+    def _record_step_time(self, out: SchedulerOutput, wall: float, model_s: float) -> None:
+        m = self.metrics
+        m.step_wall_s_total += wall
+        m.step_model_s_total += model_s
+        running = len(out.requests)
+        m.last_step = {"seqs": running, "tokens": out.num_batched_tokens, "wall_s": wall, "model_s": model_s}
+        if running > m.peak_running or (running == m.peak_running and wall < m.peak_step_wall_s):
+            # Ties keep the quietest sample: on a shared machine a step can be stalled by others.
+            m.peak_running = running
+            m.peak_step_wall_s = wall
+            m.peak_step_model_s = model_s
+
+    def stats(self) -> EngineStats:
+        s = self._stats
+        return EngineStats(
+            running=self.scheduler.num_running,
+            waiting=self.scheduler.num_waiting,
+            kv_blocks_total=self.block_manager.num_blocks,
+            kv_blocks_used=self.block_manager.num_used_blocks,
+            prompt_tokens_total=s.prompt_tokens_total,
+            cached_prompt_tokens_total=s.cached_prompt_tokens_total,
+            generated_tokens_total=s.generated_tokens_total,
+            steps=s.steps,
+        )
+
+    # ------------------------------------------------------------------ blocking helper
+    def generate(self, requests: Iterable[EngineRequest], progress: bool = False) -> dict[str, RequestDelta]:
+        """Run requests to completion; returns each request's final delta by request_id."""
+        requests = list(requests)
+        for r in requests:
+            self.add(r)
+        wanted = {r.request_id for r in requests}
+        results: dict[str, RequestDelta] = {}
+        bar = None
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(wanted), unit="req", desc="generate")
+        try:
+            while self.has_work() and len(results) < len(wanted):
+                for d in self.step():
+                    if d.finished and d.request_id in wanted:
+                        results[d.request_id] = d
+                        if bar is not None:
+                            bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+        return results
