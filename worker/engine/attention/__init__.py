@@ -60,3 +60,24 @@ class AttentionBackend(Protocol):
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor: ...  # [num_tokens, num_heads, head_dim]
+
+
+BACKEND_NAMES = ("auto", "torch", "triton")
+
+
+def get_attention_backend(name: str, device: str | torch.device = "cpu") -> AttentionBackend:
+    """A backend by name: "torch"; "triton"; "auto" = triton on CUDA, torch elsewhere."""
+    device = torch.device(device)
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "torch":
+        from worker.engine.attention.torch_backend import TorchAttentionBackend
+
+        return TorchAttentionBackend()
+    if name == "triton":
+        try:
+            from worker.engine.attention.triton_backend import TritonAttentionBackend
+        except ImportError as exc:
+            raise ValueError(f"the triton attention backend is not available: {exc}") from exc
+        return TritonAttentionBackend()
+    raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKEND_NAMES)}")

@@ -1,0 +1,229 @@
+"""Paged attention in plain torch: exact, and quick on the CPU for mixed batches of many sequences.
+
+How one attend() call is organised (per layer; the plan behind it is built once per step):
+
+- Decode rows (one query token) are sorted by context length and cut into buckets whose lengths are
+  close, so padding stays small. Per bucket, the rows' cache blocks are gathered with one
+  index_select into a reused workspace ([rows, blocks * block_size, kv_heads, head_dim]) and all rows
+  attend in one scaled_dot_product_attention call with a key-length mask (GQA handled by SDPA).
+- Prefill and chunked-prefill rows (many query tokens) attend one row at a time: their context plus
+  new tokens are gathered the same way; a fresh prefill uses SDPA's causal path, a chunk after cached
+  context uses a causal mask shifted by the context length.
+
+Why the workspaces: a gather of tens of MB into a freshly allocated tensor costs several times the
+copy itself on Linux (the allocator hands the pages back and every step faults them in again).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from worker.engine.attention import AttentionMetadata
+
+# Decode bucketing: a bucket grows while its longest row has at most this factor more blocks than its
+# shortest (sorted ascending), so padded work is bounded by ~1.25x the real work; tiny buckets cost
+# more in per-call overhead than padding saves, hence the minimum.
+_BUCKET_GROWTH = 1.25
+_MIN_BUCKET_ROWS = 16
+
+
+@dataclass
+class _DecodeBucket:
+    token_index: torch.Tensor  # long [n]: where the rows' query tokens sit in the packed query
+    block_ids: torch.Tensor  # long [n * blocks]: cache blocks of each row, padded with block 0
+    num_blocks: int  # blocks per row in this bucket
+    key_mask: torch.Tensor  # bool [n, 1, 1, num_blocks * block_size]: True where a key exists
+
+
+@dataclass
+class _PrefillRow:
+    start: int  # query tokens start:end of the packed query
+    end: int
+    block_ids: torch.Tensor  # long [blocks]
+    seq_len: int  # context + new tokens
+    mask: torch.Tensor | None  # bool [q_len, seq_len] when there is cached context; None = plain causal
+
+
+@dataclass
+class _StepPlan:
+    decode: list[_DecodeBucket]
+    prefill: list[_PrefillRow]
+    all_tokens_decode_in_order: bool  # output can be written without an index_copy
+
+
+class TorchAttentionBackend:
+    """AttentionBackend in plain torch (any device; the default on the CPU)."""
+
+    name = "torch"
+
+    def __init__(self) -> None:
+        self._plan: _StepPlan | None = None
+        self._plan_key: tuple | None = None
+        self._plan_meta: AttentionMetadata | None = None
+        self._workspace: dict[tuple, torch.Tensor] = {}
+
+    # -- KV write -----------------------------------------------------------------------------
+    def write_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
+        key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
+        value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+
+    # -- attention ----------------------------------------------------------------------------
+    def attend(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        plan = self._plan_for(meta, key_cache.shape[1], query.device)
+        num_tokens, num_heads, head_dim = query.shape
+        if plan.all_tokens_decode_in_order and len(plan.decode) == 1:
+            bucket = plan.decode[0]
+            return self._decode(query, key_cache, value_cache, bucket, scale, rows_in_order=True)
+        out = torch.empty_like(query)
+        for bucket in plan.decode:
+            out.index_copy_(0, bucket.token_index, self._decode(query, key_cache, value_cache, bucket, scale))
+        for row in plan.prefill:
+            out[row.start : row.end] = self._prefill(query, key_cache, value_cache, row, scale)
+        return out
+
+    def _decode(self, query, key_cache, value_cache, bucket: _DecodeBucket, scale, rows_in_order=False):
+        n = bucket.token_index.numel()
+        _, block_size, num_kv_heads, head_dim = key_cache.shape
+        num_heads = query.shape[1]
+        k, v = self._gather(key_cache, value_cache, bucket.block_ids)
+        length = bucket.num_blocks * block_size
+        k = k.view(n, length, num_kv_heads, head_dim).transpose(1, 2)
+        v = v.view(n, length, num_kv_heads, head_dim).transpose(1, 2)
+        q = query if rows_in_order else query.index_select(0, bucket.token_index)
+        out = F.scaled_dot_product_attention(
+            q.view(n, num_heads, 1, head_dim), k, v, attn_mask=bucket.key_mask, scale=scale,
+            enable_gqa=num_heads != num_kv_heads,
+        )
+        return out.view(n, num_heads, head_dim)
+
+    def _prefill(self, query, key_cache, value_cache, row: _PrefillRow, scale):
+        _, block_size, num_kv_heads, head_dim = key_cache.shape
+        num_heads = query.shape[1]
+        k, v = self._gather(key_cache, value_cache, row.block_ids)
+        k = k.view(-1, num_kv_heads, head_dim)[: row.seq_len].transpose(0, 1).unsqueeze(0)
+        v = v.view(-1, num_kv_heads, head_dim)[: row.seq_len].transpose(0, 1).unsqueeze(0)
+        q = query[row.start : row.end].transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, head_dim]
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=row.mask, is_causal=row.mask is None, scale=scale,
+            enable_gqa=num_heads != num_kv_heads,
+        )
+        return out[0].transpose(0, 1)
+
+    def _gather(self, key_cache, value_cache, block_ids):
+        """Copy the given cache blocks into reused workspaces: (keys, values) [n_blocks, block, h, d]."""
+        block_shape = key_cache.shape[1:]
+        count = block_ids.numel()
+        need = count * block_shape.numel()
+        ws_key = (key_cache.dtype, key_cache.device)
+        ws = self._workspace.get(ws_key)
+        if ws is None or ws.shape[1] < need:
+            # Grow geometrically so a slowly growing batch does not reallocate every step.
+            size = max(need, int(ws.shape[1] * 1.5) if ws is not None else 0)
+            ws = torch.empty(2, size, dtype=key_cache.dtype, device=key_cache.device)
+            self._workspace[ws_key] = ws
+        k = torch.index_select(key_cache, 0, block_ids, out=ws[0, :need].view(count, *block_shape))
+        v = torch.index_select(value_cache, 0, block_ids, out=ws[1, :need].view(count, *block_shape))
+        return k, v
+
+    # -- per-step plan ------------------------------------------------------------------------
+    def _plan_for(self, meta: AttentionMetadata, block_size: int, device: torch.device) -> _StepPlan:
+        # Every layer of a step calls attend() with the same metadata: build the plan once. The key
+        # includes the block table's version counter, so an in-place update of a reused metadata
+        # object is never served a stale plan.
+        key = (id(meta), meta.block_tables._version, block_size, device)
+        if self._plan is not None and self._plan_key == key and self._plan_meta is meta:
+            return self._plan
+        self._plan = build_plan(meta, block_size, device)
+        self._plan_key = key
+        self._plan_meta = meta
+        return self._plan
+
+
+def _blocks_for(seq_len: int, block_size: int) -> int:
+    return (seq_len + block_size - 1) // block_size
+
+
+def build_plan(meta: AttentionMetadata, block_size: int, device: torch.device) -> _StepPlan:
+    starts = meta.query_start_loc_cpu
+    seq_lens = meta.seq_lens_cpu
+    if len(starts) != len(seq_lens) + 1:
+        raise ValueError(
+            f"query_start_loc has {len(starts)} entries for {len(seq_lens)} sequences (expected one more)"
+        )
+    tables = meta.block_tables.to("cpu", dtype=torch.long)
+    max_blocks = tables.shape[1] if tables.dim() == 2 else 0
+    decode_rows: list[int] = []
+    prefill: list[_PrefillRow] = []
+    for row, seq_len in enumerate(seq_lens):
+        q_len = starts[row + 1] - starts[row]
+        if q_len == 0:
+            continue
+        if q_len < 0 or q_len > seq_len:
+            raise ValueError(f"row {row}: {q_len} query tokens for a sequence of length {seq_len}")
+        n_blocks = _blocks_for(seq_len, block_size)
+        if n_blocks > max_blocks:
+            raise ValueError(f"row {row}: length {seq_len} needs {n_blocks} blocks, block table has {max_blocks}")
+        if q_len == 1:
+            decode_rows.append(row)
+            continue
+        context = seq_len - q_len
+        mask = None
+        if context:
+            # Query token i sits at position context + i and sees keys 0 .. context + i.
+            key_pos = torch.arange(seq_len)
+            query_pos = torch.arange(context, seq_len)
+            mask = (key_pos[None, :] <= query_pos[:, None]).to(device)
+        prefill.append(
+            _PrefillRow(starts[row], starts[row + 1], tables[row, :n_blocks].to(device), seq_len, mask)
+        )
+
+    decode: list[_DecodeBucket] = []
+    decode_rows.sort(key=lambda r: seq_lens[r])
+    i = 0
+    while i < len(decode_rows):
+        first_blocks = _blocks_for(seq_lens[decode_rows[i]], block_size)
+        j = i + 1
+        while j < len(decode_rows):
+            blocks = _blocks_for(seq_lens[decode_rows[j]], block_size)
+            if j - i >= _MIN_BUCKET_ROWS and blocks > first_blocks * _BUCKET_GROWTH:
+                break
+            j += 1
+        if 0 < len(decode_rows) - j < _MIN_BUCKET_ROWS:  # do not leave a tiny last bucket
+            j = len(decode_rows)
+        rows = decode_rows[i:j]
+        lens = torch.tensor([seq_lens[r] for r in rows])
+        n_blocks = _blocks_for(int(lens.max()), block_size)
+        row_index = torch.tensor(rows)
+        decode.append(
+            _DecodeBucket(
+                token_index=torch.tensor([starts[r] for r in rows]).to(device),
+                block_ids=tables[row_index, :n_blocks].reshape(-1).to(device),
+                num_blocks=n_blocks,
+                key_mask=(torch.arange(n_blocks * block_size)[None, :] < lens[:, None])[:, None, None, :].to(device),
+            )
+        )
+        i = j
+    in_order = (
+        not prefill
+        and len(decode_rows) == meta.num_tokens
+        and all(starts[r] == k for k, r in enumerate(decode_rows))
+    )
+    return _StepPlan(decode=decode, prefill=prefill, all_tokens_decode_in_order=in_order)

@@ -1,0 +1,133 @@
+"""Load a Hugging Face checkpoint directory into our own model code.
+
+A directory holds config.json (+ optional generation_config.json) and the weights as one
+model.safetensors or shards listed by model.safetensors.index.json. Anything missing or unsupported is
+one CheckpointError that names it; tensors are checked by name and shape before the model is used.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import sys
+from pathlib import Path
+
+import torch
+
+from worker.engine.attention import AttentionBackend
+from worker.engine.model_config import CheckpointError, ModelConfig, load_model_config, read_json
+from worker.engine.models import MODEL_CLASSES
+
+log = logging.getLogger(__name__)
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+# Tensors some checkpoints carry that the model recomputes instead of loading.
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+def weight_files(model_dir: Path) -> list[Path]:
+    """The safetensors files of a checkpoint, checked to exist."""
+    index_path = model_dir / INDEX_FILE
+    if index_path.exists():
+        weight_map = read_json(index_path).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index_path} has no weight_map")
+        names = sorted(set(weight_map.values()))
+        missing = [n for n in names if not (model_dir / n).exists()]
+        if missing:
+            raise CheckpointError(f"{model_dir} lacks weight shard(s) listed in {INDEX_FILE}: {', '.join(missing)}")
+        return [model_dir / n for n in names]
+    if (model_dir / SINGLE_FILE).exists():
+        return [model_dir / SINGLE_FILE]
+    shards = sorted(model_dir.glob("*.safetensors"))
+    if shards:
+        return shards
+    others = sorted(p.name for p in model_dir.glob("*.bin")) + sorted(p.name for p in model_dir.glob("*.gguf"))
+    hint = f" (found {', '.join(others)}: only safetensors weights are loaded; convert GGUF with `tokenmill convert`)" if others else ""
+    raise CheckpointError(f"{model_dir} has no weights: expected {SINGLE_FILE} or {INDEX_FILE} with shards{hint}")
+
+
+def _tensor_names(files: list[Path]) -> dict[str, Path]:
+    from safetensors import safe_open
+
+    where: dict[str, Path] = {}
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    where[name] = path
+        except Exception as exc:  # safetensors raises its own error types for corrupt headers
+            raise CheckpointError(f"cannot read {path}: {exc}") from exc
+    return where
+
+
+def keep_freed_memory_for_reuse() -> None:
+    """Stop glibc from returning large freed blocks to the OS after every step (Linux, CPU runs).
+
+    A CPU step allocates many tensors of several MB (gathered K/V, activations, logits). By default
+    glibc maps each such block fresh and unmaps it on free, so every step page-faults the same memory
+    in again: measured 3-6x slower than reusing it. Raising the mmap and trim thresholds keeps the
+    freed memory in the heap for the next step. Process-wide and harmless elsewhere, so best effort.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        m_trim_threshold, m_mmap_threshold = -1, -3
+        libc.mallopt(m_mmap_threshold, 1 << 30)
+        libc.mallopt(m_trim_threshold, 1 << 32 if sys.maxsize > 2**32 else 1 << 30)
+    except (OSError, AttributeError):  # not glibc (e.g. musl): nothing to tune
+        log.debug("mallopt unavailable; CPU allocator left as is")
+
+
+def load_model(
+    path: str | Path,
+    *,
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device = "cpu",
+    attention_backend: AttentionBackend,
+) -> tuple[torch.nn.Module, ModelConfig]:
+    """Build our model for the checkpoint at `path` and load its weights.
+
+    dtype: "auto" (the checkpoint's dtype on CUDA, float32 elsewhere), "float32", "bfloat16", "float16".
+    """
+    model_dir = Path(path)
+    device = torch.device(device)
+    cfg = load_model_config(model_dir, dtype, device)
+    files = weight_files(model_dir)
+    where = _tensor_names(files)
+    if "lm_head.weight" not in where and not cfg.tie_word_embeddings:
+        # No separate output projection stored: the checkpoint ties it to the input embedding.
+        cfg.tie_word_embeddings = True
+    if device.type == "cpu":
+        keep_freed_memory_for_reuse()
+
+    model = MODEL_CLASSES[cfg.architecture](cfg, attention_backend, device)
+    needed = model.checkpoint_tensor_names()
+    missing = [n for n in needed if n not in where]
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise CheckpointError(f"{model_dir} lacks tensor(s) {shown}")
+
+    from safetensors import safe_open
+
+    wanted = set(needed)
+    skipped: list[str] = []
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            names = [n for n in f.keys() if n in wanted]
+            skipped += [
+                n for n in f.keys()
+                if n not in wanted and not n.endswith(_IGNORED_SUFFIXES) and n != "lm_head.weight"
+            ]
+            if skipped:
+                break
+            model.load_weights((n, f.get_tensor(n)) for n in names)
+    if skipped:
+        raise CheckpointError(
+            f"{model_dir} holds tensor(s) a {cfg.architecture} model does not use: {', '.join(skipped[:5])}"
+        )
+    model.eval()
+    return model, cfg

@@ -1,0 +1,206 @@
+"""One decoder-only transformer for Llama, Qwen2 and Qwen3 checkpoints.
+
+The three differ only in flags of ModelConfig: Qwen2 has q/k/v biases, Qwen3 RMS-normalises q and k per
+head before the rotary embedding (and states head_dim explicitly), Llama may tie lm_head to the input
+embedding. Everything else (GQA, SwiGLU MLP, pre-norm residual blocks, neox rotary) is shared.
+
+Speed notes: the step's tokens of all sequences are packed into one [T, hidden] tensor, so every
+projection is one matmul over the whole step; q/k/v and gate/up are fused into single weights at load
+time (two matmuls per layer fewer); the residual add is folded into the next norm's input.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker.engine.attention import AttentionBackend, AttentionMetadata
+from worker.engine.layers import RotaryEmbedding, apply_rotary, rms_norm, silu_and_mul
+from worker.engine.model_config import CheckpointError, ModelConfig
+
+
+def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    # Uninitialised on purpose: every value is overwritten from the checkpoint, and the loader
+    # checks that every parameter was.
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, device: torch.device):
+        super().__init__()
+        dt, h, d = cfg.dtype, cfg.hidden_size, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
+        self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
+        self.eps = cfg.rms_norm_eps
+        self.scale = d**-0.5
+        self.input_norm = _param(h, dtype=dt, device=device)
+        self.qkv_weight = _param(self.q_size + 2 * self.kv_size, h, dtype=dt, device=device)
+        self.qkv_bias = _param(self.q_size + 2 * self.kv_size, dtype=dt, device=device) if cfg.qkv_bias else None
+        # Qwen3: one weight row per q head then per k head, so q and k are normalised in one call.
+        self.qk_norm = _param(cfg.num_heads + cfg.num_kv_heads, d, dtype=dt, device=device) if cfg.qk_norm else None
+        self.o_weight = _param(h, self.q_size, dtype=dt, device=device)
+        self.o_bias = _param(h, dtype=dt, device=device) if cfg.o_bias else None
+        self.post_attention_norm = _param(h, dtype=dt, device=device)
+        self.gate_up_weight = _param(2 * cfg.intermediate_size, h, dtype=dt, device=device)
+        self.down_weight = _param(h, cfg.intermediate_size, dtype=dt, device=device)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        backend: AttentionBackend,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        residual = hidden if residual is None else hidden + residual
+        x = rms_norm(residual, self.input_norm, self.eps)
+        x = self._attention(x, cos, sin, meta, kv_cache, backend)
+        residual = x + residual
+        x = rms_norm(residual, self.post_attention_norm, self.eps)
+        x = F.linear(silu_and_mul(F.linear(x, self.gate_up_weight)), self.down_weight)
+        return x, residual
+
+    def _attention(self, x, cos, sin, meta, kv_cache, backend) -> torch.Tensor:
+        t = x.shape[0]
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        qk = qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.qk_norm is not None:
+            qk = rms_norm(qk, self.qk_norm, self.eps)
+        q = apply_rotary(qk[:, : self.num_heads], cos, sin)
+        k = apply_rotary(qk[:, self.num_heads :], cos, sin)
+        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
+        key_cache, value_cache = kv_cache
+        backend.write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
+        out = backend.attend(q, key_cache, value_cache, meta, self.scale)
+        return F.linear(out.reshape(t, self.q_size), self.o_weight, self.o_bias)
+
+
+class DecoderForCausalLM(nn.Module):
+    """model(input_ids[T], positions[T], meta, kv_caches) -> hidden [T, hidden_size]."""
+
+    def __init__(self, cfg: ModelConfig, attention_backend: AttentionBackend, device: torch.device | str = "cpu"):
+        super().__init__()
+        device = torch.device(device)
+        self.config = cfg
+        self.attention_backend = attention_backend
+        dt = cfg.dtype
+        self.embed_tokens = _param(cfg.vocab_size, cfg.hidden_size, dtype=dt, device=device)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, device) for _ in range(cfg.num_layers))
+        self.norm = _param(cfg.hidden_size, dtype=dt, device=device)
+        self.lm_head = (
+            self.embed_tokens if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size, dtype=dt, device=device)
+        )
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope, cfg.max_model_len, device)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(f"got {len(kv_caches)} KV cache pairs for {len(self.layers)} layers")
+        hidden = F.embedding(input_ids, self.embed_tokens)
+        cos, sin = self.rotary.cos_sin(positions, self.config.dtype)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden, residual = layer(hidden, residual, cos, sin, meta, kv_cache, self.attention_backend)
+        return rms_norm(hidden + residual, self.norm, self.config.rms_norm_eps)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 [N, vocab_size] logits; pass only the rows that sample (the LM head dominates cost)."""
+        return F.linear(hidden, self.lm_head).float()
+
+    # -- loading ---------------------------------------------------------------------------------
+    def checkpoint_tensor_names(self) -> list[str]:
+        """Hugging Face tensor names this model needs from the checkpoint."""
+        cfg = self.config
+        names = ["model.embed_tokens.weight", "model.norm.weight"]
+        if not cfg.tie_word_embeddings:
+            names.append("lm_head.weight")
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+            names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+            names += [p + f"self_attn.{n}_proj.weight" for n in "qkvo"]
+            names += [p + f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")]
+            if cfg.qkv_bias:
+                names += [p + f"self_attn.{n}_proj.bias" for n in "qkv"]
+            if cfg.o_bias:
+                names.append(p + "self_attn.o_proj.bias")
+            if cfg.qk_norm:
+                names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
+        return names
+
+    def _destination(self, name: str) -> tuple[torch.Tensor, slice | None]:
+        """Where a checkpoint tensor goes: (parameter, rows of it) — rows for fused weights."""
+        cfg = self.config
+        if name == "model.embed_tokens.weight":
+            return self.embed_tokens, None
+        if name == "model.norm.weight":
+            return self.norm, None
+        if name == "lm_head.weight":
+            return self.lm_head, None
+        parts = name.split(".")
+        if len(parts) < 5 or parts[:2] != ["model", "layers"] or not parts[2].isdigit():
+            raise KeyError(name)
+        index = int(parts[2])
+        if index >= len(self.layers):
+            raise KeyError(name)
+        layer: DecoderLayer = self.layers[index]
+        rest = ".".join(parts[3:])
+        q, kv, inter = cfg.q_size, cfg.kv_size, cfg.intermediate_size
+        h, hk = cfg.num_heads, cfg.num_kv_heads
+        table: dict[str, tuple[torch.Tensor | None, slice | None]] = {
+            "input_layernorm.weight": (layer.input_norm, None),
+            "post_attention_layernorm.weight": (layer.post_attention_norm, None),
+            "self_attn.q_proj.weight": (layer.qkv_weight, slice(0, q)),
+            "self_attn.k_proj.weight": (layer.qkv_weight, slice(q, q + kv)),
+            "self_attn.v_proj.weight": (layer.qkv_weight, slice(q + kv, q + 2 * kv)),
+            "self_attn.q_proj.bias": (layer.qkv_bias, slice(0, q)),
+            "self_attn.k_proj.bias": (layer.qkv_bias, slice(q, q + kv)),
+            "self_attn.v_proj.bias": (layer.qkv_bias, slice(q + kv, q + 2 * kv)),
+            "self_attn.o_proj.weight": (layer.o_weight, None),
+            "self_attn.o_proj.bias": (layer.o_bias, None),
+            "self_attn.q_norm.weight": (layer.qk_norm, slice(0, h)),
+            "self_attn.k_norm.weight": (layer.qk_norm, slice(h, h + hk)),
+            "mlp.gate_proj.weight": (layer.gate_up_weight, slice(0, inter)),
+            "mlp.up_proj.weight": (layer.gate_up_weight, slice(inter, 2 * inter)),
+            "mlp.down_proj.weight": (layer.down_weight, None),
+        }
+        target, rows = table.get(rest, (None, None))
+        if target is None:
+            raise KeyError(name)
+        return target, rows
+
+    @torch.no_grad()
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy checkpoint tensors (Hugging Face names) into our fused parameters; returns names used.
+
+        Raises CheckpointError for a tensor we have no place for or whose shape does not fit.
+        """
+        loaded: set[str] = set()
+        for name, tensor in tensors:
+            try:
+                target, rows = self._destination(name)
+            except KeyError:
+                raise CheckpointError(f"checkpoint tensor {name!r} is not part of a {self.config.architecture} model") from None
+            dest = target if rows is None else target[rows]
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                # One per-head weight vector, repeated for every q (or k) head row.
+                if tuple(tensor.shape) != (dest.shape[1],):
+                    raise CheckpointError(f"{name}: shape {tuple(tensor.shape)}, expected ({dest.shape[1]},)")
+                dest.copy_(tensor.to(dest.dtype).expand_as(dest))
+            else:
+                if tuple(tensor.shape) != tuple(dest.shape):
+                    raise CheckpointError(f"{name}: shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+                dest.copy_(tensor)
+            loaded.add(name)
+        return loaded

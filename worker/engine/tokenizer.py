@@ -1,0 +1,74 @@
+"""Tokenizer of a checkpoint directory (offline) and the one way a request becomes token ids."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from worker.engine.model_config import CheckpointError
+
+# Files any of which lets AutoTokenizer build a tokenizer without the network.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+def load_tokenizer(path: str | Path):
+    """AutoTokenizer from the checkpoint directory, never downloading anything."""
+    from transformers import AutoTokenizer
+
+    model_dir = Path(path)
+    if not model_dir.is_dir():
+        raise CheckpointError(f"checkpoint directory {model_dir} does not exist")
+    if not any((model_dir / name).exists() for name in TOKENIZER_FILES):
+        raise CheckpointError(f"{model_dir} has no tokenizer (expected one of {', '.join(TOKENIZER_FILES)})")
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    except Exception as exc:  # transformers raises many types (OSError, ValueError, ...) for bad files
+        raise CheckpointError(f"cannot load the tokenizer in {model_dir}: {exc}") from exc
+
+
+def _validate_messages(messages: Any) -> list[dict[str, str]]:
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty list of {role, content} objects")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise ValueError(f"messages[{i}] must be an object with string 'role' and 'content'")
+    return messages
+
+
+def encode_request(
+    tokenizer,
+    prompt: str | None = None,
+    messages: list[dict[str, str]] | None = None,
+    prompt_token_ids: Sequence[int] | None = None,
+) -> list[int]:
+    """Token ids of exactly one of prompt / messages / prompt_token_ids.
+
+    `prompt` is encoded as-is with the tokenizer's own special-token handling (e.g. a BOS where the
+    model has one), like transformers' generate input; `messages` go through the chat template with the
+    assistant generation prompt appended; `prompt_token_ids` are checked against the vocabulary.
+    """
+    given = [x is not None for x in (prompt, messages, prompt_token_ids)]
+    if sum(given) != 1:
+        raise ValueError("exactly one of prompt, messages, prompt_token_ids is required")
+    if prompt is not None:
+        if not isinstance(prompt, str):
+            raise ValueError("prompt must be a string")
+        ids = tokenizer(prompt)["input_ids"]
+    elif messages is not None:
+        messages = _validate_messages(messages)
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("messages were given but this model's tokenizer has no chat template; send a prompt instead")
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):  # BatchEncoding in some transformers versions
+            ids = ids["input_ids"]
+    else:
+        ids = list(prompt_token_ids)
+        vocab = len(tokenizer)
+        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt_token_ids holds ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+    ids = [int(t) for t in ids]
+    if not ids:
+        raise ValueError("the prompt encodes to zero tokens")
+    return ids
