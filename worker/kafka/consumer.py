@@ -64,6 +64,7 @@ class InFlightJob:
     log: object
     next_index: int = 0
     token_sink: list = field(default_factory=list)
+    logprobs: list | None = None  # gathered from every delta when the job asked for them
     submitted: bool = False
 
     @property
@@ -420,7 +421,7 @@ class KafkaWorker:
         epoch = part.epoch
         part.track(rec.offset)
         self.metrics.jobs_in.inc()
-        source = {"topic": tp.topic, "partition": tp.partition, "offset": rec.offset}
+        source = answers.source_of(tp.topic, tp.partition, rec.offset)
         attempt = answers.new_attempt_id(self.s.worker_name)
         try:
             if rec.value is None:
@@ -468,7 +469,7 @@ class KafkaWorker:
 
     def _submit(self, job: InFlightJob) -> None:
         try:
-            request = answers.engine_request(job.job, job.request_id)
+            request = answers.job_to_engine_request(job.job, request_id=job.request_id)
         except ValueError as exc:  # sampling values the engine refuses although the schema allowed them
             self._jobs.pop(job.request_id, None)
             self._release_tenant(job, submit_next=True)
@@ -492,8 +493,8 @@ class KafkaWorker:
                 self._release_tenant(nxt)
 
     @staticmethod
-    def _source(job: InFlightJob) -> dict:
-        return {"topic": job.tp.topic, "partition": job.tp.partition, "offset": job.offset}
+    def _source(job: InFlightJob):
+        return answers.source_of(job.tp.topic, job.tp.partition, job.offset)
 
     def _bad_input_records(self, tp, rec, code, message, job_id, attempt, source, metadata) -> list[OutRecord]:
         records = [
@@ -505,7 +506,7 @@ class KafkaWorker:
         ]
         if job_id is not None:
             result = answers.error_result(
-                job_id, code, message, model=self.served_model_name, worker=self.s.worker_name,
+                job_id, code, answers.clip(message), model=self.served_model_name, worker=self.s.worker_name,
                 attempt=attempt, source=source, metadata=metadata,
             )
             records.append(answers.result_record(result, self.s.results_topic))
@@ -527,6 +528,8 @@ class KafkaWorker:
             job = self._jobs.get(delta.request_id)
             if job is None:
                 continue  # aborted (revoked partition or shutdown)
+            if delta.logprobs:
+                job.logprobs = (job.logprobs or []) + list(delta.logprobs)
             if job.job.stream and (delta.new_token_ids or delta.text_delta or delta.finished):
                 payload = answers.token_event(job.job.job_id, job.attempt, job.next_index, delta)
                 job.next_index += 1
@@ -549,10 +552,16 @@ class KafkaWorker:
             except PublishAbandoned:
                 return
         source = self._source(job)
-        result = answers.result_from_delta(
-            job.job, delta, model=self.served_model_name, worker=self.s.worker_name, attempt=job.attempt,
-            source=source,
-        )
+        try:
+            result = answers.build_result(
+                job.job, delta, model=self.served_model_name, worker=self.s.worker_name, attempt=job.attempt,
+                source=source, logprobs=job.logprobs if job.job.sampling.logprobs is not None else None,
+            )
+        except ValueError as exc:  # an engine outcome the contract cannot express: say so, do not drop
+            result = answers.error_result(
+                job.job.job_id, "internal", answers.clip(str(exc)), model=self.served_model_name,
+                worker=self.s.worker_name, attempt=job.attempt, source=source, metadata=job.job.metadata,
+            )
         records = [answers.result_record(result, self.s.results_topic)]
         outcome = (result.status, result.error.code if result.error else None)
         if result.status == "error":
