@@ -60,6 +60,13 @@ def format_path(loc: Sequence[int | str], rename: Mapping[str, str] | None = Non
     return out
 
 
+def _num(value: Any) -> Any:
+    # Bounds of float fields come back as floats: say "<= 1", not "<= 1.0".
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
 def _reason(error: Mapping[str, Any]) -> str:
     kind = error["type"]
     ctx = error.get("ctx") or {}
@@ -82,13 +89,13 @@ def _reason(error: Mapping[str, Any]) -> str:
     if kind == "finite_number":
         return "must be a finite number"
     if kind == "greater_than_equal":
-        return f"must be >= {ctx['ge']}"
+        return f"must be >= {_num(ctx['ge'])}"
     if kind == "greater_than":
-        return f"must be > {ctx['gt']}"
+        return f"must be > {_num(ctx['gt'])}"
     if kind == "less_than_equal":
-        return f"must be <= {ctx['le']}"
+        return f"must be <= {_num(ctx['le'])}"
     if kind == "less_than":
-        return f"must be < {ctx['lt']}"
+        return f"must be < {_num(ctx['lt'])}"
     if kind == "string_too_short":
         n = ctx.get("min_length", 1)
         return "must not be empty" if n == 1 else f"must have at least {n} characters"
