@@ -1,0 +1,241 @@
+"""Incremental detokenisation and stop strings, with the tiny models' byte-level BPE tokenizer."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from transformers import AutoTokenizer
+
+from tools.tiny_models import cached_tiny_model
+from worker.engine.detokenizer import IncrementalDetokenizer, find_first_stop
+
+TEXTS = [
+    "Bonjour! Ça va? hello world",
+    "café naïve résumé — Æsir Øre ß",
+    "party 🎉🎉 time 👩‍💻 done",
+    "日本語のテキスト and 中文",
+    "mixed: é🎉x ü 😀😀 end.",
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_llama_dir):
+    return AutoTokenizer.from_pretrained(tiny_llama_dir)
+
+
+def encode(tok, text):
+    return tok.encode(text, add_special_tokens=False)
+
+
+def run(tok, ids, stop=(), prompt=(), skip_special_tokens=True):
+    """Feed ids one at a time like the engine does; stop feeding at a hit. Returns pieces, hit, detok."""
+    detok = IncrementalDetokenizer(tok, list(prompt), list(stop), skip_special_tokens=skip_special_tokens)
+    pieces = []
+    hit = False
+    for i in ids:
+        piece, hit = detok.add(i)
+        pieces.append(piece)
+        if hit:
+            break
+    pieces.append(detok.flush())
+    return pieces, detok.stopped, detok  # flush() can find a stop string too
+
+
+def expected_text(tok, ids, stop):
+    text = tok.decode(ids, skip_special_tokens=True)
+    # The stop string that completes first ends the text (ties: the one that starts first).
+    for end in range(1, len(text) + 1):
+        starts = [end - len(s) for s in stop if end >= len(s) and text[end - len(s) : end] == s]
+        if starts:
+            return text[: min(starts)], True
+    return text, False
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_released_text_equals_full_decode(tokenizer, text):
+    ids = encode(tokenizer, text)
+    pieces, hit, detok = run(tokenizer, ids, prompt=encode(tokenizer, "Say something:"))
+    assert "".join(pieces) == detok.text == tokenizer.decode(ids) == text
+    assert not hit and not detok.stopped
+    # A partial character is never released: no piece carries a replacement character.
+    assert all("\ufffd" not in p for p in pieces)
+
+
+def test_multibyte_characters_are_held_until_complete(tokenizer):
+    ids = encode(tokenizer, "a🎉b")
+    assert len(ids) >= 4  # the emoji is split over byte tokens
+    pieces, _, _ = run(tokenizer, ids)
+    emoji_piece = [p for p in pieces if "🎉" in p]
+    assert emoji_piece and emoji_piece[0] in ("🎉", "a🎉", "🎉b")
+    assert pieces.count("") >= 2  # the emoji's first bytes released nothing
+
+
+def test_stop_string_spanning_two_and_three_tokens(tokenizer):
+    text = "the model writes a batch result offset partition"
+    ids = encode(tokenizer, text)
+    pieces_of = [tokenizer.decode([i]) for i in ids]
+    assert len(pieces_of) >= 6
+    starts = [sum(len(p) for p in pieces_of[:k]) for k in range(len(pieces_of) + 1)]
+    for span in (2, 3):
+        # From the last character of token 1 to the first character of token 1 + span.
+        a, b = starts[2] - 1, starts[1 + span] + 1
+        stop = text[a:b]
+        assert text.find(stop) == a
+        pieces, hit, detok = run(tokenizer, ids, stop=[stop])
+        assert hit and detok.stopped
+        assert "".join(pieces) == detok.text == text[:a]
+        # The token that completed the stop string released only what precedes it.
+        assert stop not in "".join(pieces)
+
+
+def test_text_after_a_stop_string_is_never_released(tokenizer):
+    text = "hello world. kafka token model"
+    ids = encode(tokenizer, text)
+    detok = IncrementalDetokenizer(tokenizer, [], ["world"])
+    released = []
+    hit_at = None
+    for k, i in enumerate(ids):  # keep feeding after the hit, as a careless caller might
+        piece, hit = detok.add(i)
+        released.append(piece)
+        if hit and hit_at is None:
+            hit_at = k
+    released.append(detok.flush())
+    assert hit_at is not None
+    assert "".join(released) == detok.text == "hello "
+    assert all(p == "" for p in released[hit_at + 1 :])
+
+
+def test_multiple_stop_strings_first_to_complete_wins(tokenizer):
+    text = "one two three four five"
+    ids = encode(tokenizer, text)
+    assert expected_text(tokenizer, ids, ["four", "two", "xyz"])[0] == "one "
+    assert "".join(run(tokenizer, ids, stop=["four", "two", "xyz"])[0]) == "one "
+    # "two three" starts earlier than "o t" but completes later: "o t" wins.
+    assert "".join(run(tokenizer, ids, stop=["two three", "o t"])[0]) == "one tw"
+    # Same end: the longer (earlier-starting) one wins.
+    assert "".join(run(tokenizer, ids, stop=["ee", "three"])[0]) == "one two "
+
+
+def test_stop_string_at_the_very_first_token(tokenizer):
+    ids = encode(tokenizer, "hello world")
+    first = tokenizer.decode(ids[:1])
+    pieces, hit, detok = run(tokenizer, ids, stop=[first])
+    assert hit and pieces == ["", ""] and detok.text == ""
+    # A stop string that is a strict part of the first token: text before it comes out.
+    pieces, hit, _ = run(tokenizer, ids, stop=[first[1:]])
+    assert hit and "".join(pieces) == first[:1]
+
+
+def test_possible_stop_start_is_held_then_released_at_flush(tokenizer):
+    ids = encode(tokenizer, "hello world")
+    detok = IncrementalDetokenizer(tokenizer, [], ["world peace"])
+    released = "".join(detok.add(i)[0] for i in ids)
+    assert released == "hello "  # "world" could still become "world peace"
+    assert detok.flush() == "world"
+    assert detok.text == "hello world" and not detok.stopped
+
+
+def test_stop_string_with_a_character_split_across_byte_tokens(tokenizer):
+    text = "un café noir 🎉 fête"
+    ids = encode(tokenizer, text)
+    for stop, before in (("é n", "un caf"), ("🎉", "un café noir "), ("fê", "un café noir 🎉 ")):
+        pieces, hit, _ = run(tokenizer, ids, stop=[stop])
+        assert hit and "".join(pieces) == before, stop
+
+
+def test_special_tokens_are_skipped_by_default(tokenizer):
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    eos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    ids = encode(tokenizer, "hi") + [im_end] + encode(tokenizer, " there") + [eos]
+    assert "".join(run(tokenizer, ids)[0]) == "hi there"
+    kept = "".join(run(tokenizer, ids, skip_special_tokens=False)[0])
+    assert kept == "hi<|im_end|> there<|endoftext|>"
+
+
+def test_prompt_ending_inside_a_character_does_not_leak_into_output(tokenizer):
+    emoji = encode(tokenizer, "🎉")
+    prompt = encode(tokenizer, "start ") + emoji[:2]  # the prompt stops mid-character
+    ids = emoji[2:] + encode(tokenizer, " ok")
+    pieces, _, _ = run(tokenizer, ids, prompt=prompt)
+    assert "".join(pieces) == tokenizer.decode(ids)
+
+
+def test_decoding_window_stays_small(tokenizer):
+    """O(1)-ish per token: each step decodes a few tokens, not the whole output."""
+    windows = []
+    backend = tokenizer.backend_tokenizer
+
+    class Recording:
+        def decode(self, ids, skip_special_tokens=True):
+            windows.append(len(ids))
+            return backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    class Wrapped:
+        backend_tokenizer = Recording()
+
+    ids = encode(tokenizer, " ".join(TEXTS * 8))
+    assert len(ids) > 300
+    pieces, _, detok = run(Wrapped(), ids, prompt=encode(tokenizer, "a long prompt " * 20))
+    assert detok.text == tokenizer.decode(ids)
+    assert max(windows) <= 12
+    assert len(windows) <= 2 * len(ids) + 2
+
+
+def test_bad_stop_strings_and_use_after_flush_are_errors(tokenizer):
+    with pytest.raises(ValueError, match="non-empty"):
+        IncrementalDetokenizer(tokenizer, [], ["ok", ""])
+    detok = IncrementalDetokenizer(tokenizer, [], [])
+    detok.add(encode(tokenizer, "a")[0])
+    detok.flush()
+    with pytest.raises(RuntimeError):
+        detok.add(5)
+
+
+def test_find_first_stop():
+    assert find_first_stop("abcdef", ["cd", "bcdef"]) == 2
+    assert find_first_stop("abcdef", ["zz"]) is None
+    assert find_first_stop("abcabc", ["bc"]) == 1
+    assert find_first_stop("abcd", ["bcd", "cd"]) == 1
+
+
+_TOKENIZER = None
+
+
+def _tok():
+    global _TOKENIZER
+    if _TOKENIZER is None:
+        _TOKENIZER = AutoTokenizer.from_pretrained(cached_tiny_model("test-llama"))
+    return _TOKENIZER
+
+
+@st.composite
+def token_case(draw):
+    tok = _tok()
+    vocab = len(tok)
+    # Byte-level ids (the lower part of the vocabulary holds single bytes and short merges) make
+    # split characters and invalid sequences common; the rest are whole words.
+    token = st.one_of(st.integers(0, 300), st.integers(0, vocab - 1))
+    ids = draw(st.lists(token, min_size=0, max_size=40))
+    prompt = draw(st.lists(token, min_size=0, max_size=8))
+    text = tok.decode(ids, skip_special_tokens=True)
+    stops = []
+    for _ in range(draw(st.integers(0, 3))):
+        if text and draw(st.booleans()):
+            a = draw(st.integers(0, len(text) - 1))
+            b = draw(st.integers(a + 1, min(len(text), a + 6)))
+            stops.append(text[a:b])
+        else:
+            stops.append(draw(st.text(min_size=1, max_size=4)))
+    return ids, prompt, stops
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(token_case())
+def test_property_released_text_is_decode_cut_at_first_stop(case):
+    ids, prompt, stops = case
+    tok = _tok()
+    pieces, hit, detok = run(tok, ids, stop=stops, prompt=prompt)
+    want, want_hit = expected_text(tok, ids, stops)
+    assert "".join(pieces) == detok.text == want
+    assert hit == want_hit == detok.stopped
