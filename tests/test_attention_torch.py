@@ -1,0 +1,162 @@
+"""The torch paged-attention backend against a direct per-token reference."""
+
+import random
+
+import pytest
+import torch
+
+from worker.engine.attention import AttentionMetadata, get_attention_backend
+from worker.engine.attention.torch_backend import TorchAttentionBackend, build_plan
+
+
+def reference_attention(query, keys, values, rows, scale):
+    """query [T, H, D]; keys/values per row [seq_len, Hkv, D]; rows = [(q_start, q_end, seq_len)]."""
+    out = torch.empty_like(query, dtype=torch.float64)
+    group = query.shape[1] // keys[0].shape[1]
+    for (start, end, seq_len), k, v in zip(rows, keys, values, strict=True):
+        context = seq_len - (end - start)
+        kk = k.double().repeat_interleave(group, dim=1)
+        vv = v.double().repeat_interleave(group, dim=1)
+        for i in range(end - start):
+            visible = context + i + 1
+            s = torch.einsum("hd,lhd->hl", query[start + i].double(), kk[:visible]) * scale
+            out[start + i] = torch.einsum("hl,lhd->hd", s.softmax(-1), vv[:visible])
+    return out
+
+
+def random_case(seed, q_lens_and_ctx, num_heads, num_kv_heads, head_dim, block_size, dtype=torch.float32):
+    """Fill a cache with random K/V for each row's context + new tokens, blocks in shuffled order."""
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    blocks_needed = sum(-(-(q + c) // block_size) for q, c in q_lens_and_ctx)
+    num_blocks = blocks_needed + 3
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    key_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
+    value_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
+    starts, seq_lens, tables, slots, keys, values, rows = [0], [], [], [], [], [], []
+    new_keys, new_values = [], []
+    for q_len, ctx in q_lens_and_ctx:
+        seq_len = q_len + ctx
+        table = [free.pop() for _ in range(-(-seq_len // block_size))]
+        k = torch.randn(seq_len, num_kv_heads, head_dim, generator=g).to(dtype)
+        v = torch.randn(seq_len, num_kv_heads, head_dim, generator=g).to(dtype)
+        for pos in range(ctx):  # context is already in the cache
+            key_cache[table[pos // block_size], pos % block_size] = k[pos]
+            value_cache[table[pos // block_size], pos % block_size] = v[pos]
+        slots += [table[p // block_size] * block_size + p % block_size for p in range(ctx, seq_len)]
+        new_keys.append(k[ctx:])
+        new_values.append(v[ctx:])
+        keys.append(k)
+        values.append(v)
+        rows.append((starts[-1], starts[-1] + q_len, seq_len))
+        starts.append(starts[-1] + q_len)
+        seq_lens.append(seq_len)
+        tables.append(table)
+    width = max(len(t) for t in tables)
+    block_tables = torch.zeros(len(tables), width, dtype=torch.int32)
+    for i, t in enumerate(tables):
+        block_tables[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=block_tables,
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        max_query_len=max(q for q, _ in q_lens_and_ctx),
+        max_seq_len=max(seq_lens),
+        query_start_loc_cpu=starts,
+        seq_lens_cpu=seq_lens,
+    )
+    query = torch.randn(starts[-1], num_heads, head_dim, generator=g).to(dtype)
+    return dict(query=query, key_cache=key_cache, value_cache=value_cache, meta=meta, rows=rows,
+                keys=keys, values=values, new_keys=torch.cat(new_keys), new_values=torch.cat(new_values))
+
+
+def run_backend(case, scale):
+    backend = TorchAttentionBackend()
+    backend.write_kv(case["new_keys"], case["new_values"], case["key_cache"], case["value_cache"],
+                     case["meta"].slot_mapping)
+    return backend.attend(case["query"], case["key_cache"], case["value_cache"], case["meta"], scale)
+
+
+CASES = [
+    # (q_len, context) per row; heads, kv heads, head_dim, block size
+    ([(1, 0)], 4, 4, 8, 4),  # a 1-token prompt
+    ([(5, 0), (1, 7), (9, 4), (1, 15), (1, 16)], 4, 2, 16, 4),  # mixed, block boundaries
+    ([(1, c) for c in range(0, 60, 3)], 6, 2, 8, 8),  # 20 decode rows -> several buckets
+    ([(3, 0), (1, 30), (17, 13), (1, 2)], 7, 1, 24, 16),  # GQA group 7, head_dim not a power of 2
+    ([(2, 5), (1, 8)], 3, 1, 32, 1),  # block size 1
+]
+
+
+@pytest.mark.parametrize("rows,num_heads,num_kv_heads,head_dim,block_size", CASES)
+def test_matches_reference(rows, num_heads, num_kv_heads, head_dim, block_size):
+    case = random_case(len(rows) * 7 + head_dim, rows, num_heads, num_kv_heads, head_dim, block_size)
+    scale = head_dim**-0.5
+    got = run_backend(case, scale)
+    want = reference_attention(case["query"], case["keys"], case["values"], case["rows"], scale)
+    assert got.shape == case["query"].shape and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_many_decode_rows_are_split_into_buckets_and_stay_exact():
+    lens = [(1, c) for c in [0, 1, 2, 5, 9, 17, 33, 64, 100, 130, 131, 250] * 6]
+    random.Random(3).shuffle(lens)
+    case = random_case(11, lens, 4, 2, 16, 8)
+    plan = build_plan(case["meta"], 8, torch.device("cpu"))
+    assert len(plan.decode) >= 2 and not plan.prefill
+    assert sum(b.token_index.numel() for b in plan.decode) == len(lens)
+    got = run_backend(case, 0.25)
+    want = reference_attention(case["query"], case["keys"], case["values"], case["rows"], 0.25)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_fp16_close_to_reference():
+    case = random_case(5, [(4, 3), (1, 20), (1, 6)], 4, 2, 16, 4, dtype=torch.float16)
+    got = run_backend(case, 0.25)
+    want = reference_attention(case["query"], case["keys"], case["values"], case["rows"], 0.25)
+    assert got.dtype == torch.float16
+    torch.testing.assert_close(got.double(), want, atol=2e-3, rtol=2e-3)
+
+
+def test_write_kv_puts_each_token_at_its_slot():
+    backend = TorchAttentionBackend()
+    kc = torch.zeros(4, 2, 1, 3)
+    vc = torch.zeros(4, 2, 1, 3)
+    key = torch.arange(9.0).view(3, 1, 3)
+    backend.write_kv(key, -key, kc, vc, torch.tensor([7, 0, 3]))
+    assert torch.equal(kc[3, 1, 0], key[0, 0]) and torch.equal(kc[0, 0, 0], key[1, 0])
+    assert torch.equal(kc[1, 1, 0], key[2, 0]) and torch.equal(vc[1, 1, 0], -key[2, 0])
+    assert kc.abs().sum() == key.sum()  # nothing else written
+
+
+def test_plan_is_rebuilt_when_block_table_changes_in_place():
+    case = random_case(2, [(1, 9), (1, 3)], 2, 2, 8, 4)
+    backend = TorchAttentionBackend()
+    meta = case["meta"]
+    backend.write_kv(case["new_keys"], case["new_values"], case["key_cache"], case["value_cache"], meta.slot_mapping)
+    first = backend.attend(case["query"], case["key_cache"], case["value_cache"], meta, 0.3)
+    # Move row 1's only block to a spare block and update the table in place.
+    old = int(meta.block_tables[1, 0])
+    spare = next(b for b in range(case["key_cache"].shape[0]) if b not in meta.block_tables.flatten().tolist())
+    case["key_cache"][spare] = case["key_cache"][old]
+    case["value_cache"][spare] = case["value_cache"][old]
+    case["key_cache"][old] = 1e3
+    meta.block_tables[1, 0] = spare
+    second = backend.attend(case["query"], case["key_cache"], case["value_cache"], meta, 0.3)
+    torch.testing.assert_close(second, first)
+
+
+def test_bad_metadata_is_a_clear_error():
+    case = random_case(4, [(2, 30)], 2, 2, 8, 4)
+    meta = case["meta"]
+    meta.block_tables = meta.block_tables[:, :3]  # the row needs 8 blocks
+    with pytest.raises(ValueError, match="needs 8 blocks"):
+        TorchAttentionBackend().attend(case["query"], case["key_cache"], case["value_cache"], meta, 1.0)
+
+
+def test_factory():
+    assert isinstance(get_attention_backend("torch", "cpu"), TorchAttentionBackend)
+    assert isinstance(get_attention_backend("auto", "cpu"), TorchAttentionBackend)
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        get_attention_backend("flash", "cpu")

@@ -1,0 +1,121 @@
+"""Our decoder against transformers' reference implementation (fp32, CPU) for Llama, Qwen2 and Qwen3:
+whole prompts, chunked prefill and token-by-token decode through the paged cache (block tables out of
+order), and a mixed batch of decode and prefill rows against each sequence alone."""
+
+import pytest
+import torch
+
+from tests.paged_helpers import PagedKV, run_step
+from worker.engine.attention.torch_backend import TorchAttentionBackend
+from worker.engine.loader import load_model
+
+ATOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def models(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    ours, cfg = load_model(tiny_model_dir, attention_backend=TorchAttentionBackend())
+    ref = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    return ours, cfg, ref
+
+
+def reference_logits(ref, ids):
+    with torch.no_grad():
+        return ref(torch.tensor([ids])).logits[0]
+
+
+def prompt(cfg, n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist()
+
+
+def test_whole_prompt_matches_transformers(models):
+    ours, cfg, ref = models
+    ids = prompt(cfg, 45, seed=1)
+    kv = PagedKV.for_model(cfg, num_blocks=16)
+    (hidden,) = run_step(ours, kv, [("a", ids)])
+    got = ours.compute_logits(hidden)
+    assert got.dtype == torch.float32 and got.shape == (45, cfg.vocab_size)
+    torch.testing.assert_close(got, reference_logits(ref, ids), atol=ATOL, rtol=0)
+
+
+def test_chunks_then_token_by_token_match_transformers(models):
+    ours, cfg, ref = models
+    ids = prompt(cfg, 50, seed=2)
+    expected = reference_logits(ref, ids)
+    kv = PagedKV.for_model(cfg, num_blocks=16, block_size=4, seed=3)
+    # Chunks that start and end inside blocks and across block boundaries, then single tokens.
+    cuts = [0, 7, 8, 19, 33, 41] + list(range(42, 51))
+    for a, b in zip(cuts, cuts[1:], strict=False):
+        (hidden,) = run_step(ours, kv, [("a", ids[a:b])])
+        torch.testing.assert_close(ours.compute_logits(hidden), expected[a:b], atol=ATOL, rtol=0)
+    assert kv.tables["a"] != sorted(kv.tables["a"])  # the cache really was used out of order
+
+
+def test_mixed_batch_equals_each_sequence_alone(models):
+    ours, cfg, ref = models
+    prompts = {name: prompt(cfg, n, seed=10 + i) for i, (name, n) in enumerate(
+        [("d1", 21), ("d2", 9), ("d3", 40), ("fresh", 26), ("chunked", 30), ("one", 1)]
+    )}
+    expected = {name: reference_logits(ref, ids) for name, ids in prompts.items()}
+    kv = PagedKV.for_model(cfg, num_blocks=64, block_size=8, seed=4)
+    # Earlier steps: three sequences prefilled except their last token; the chunked one half done.
+    run_step(ours, kv, [("d1", prompts["d1"][:-1]), ("d2", prompts["d2"][:-1]), ("chunked", prompts["chunked"][:13])])
+    run_step(ours, kv, [("d3", prompts["d3"][:-1])])
+    # The mixed step: decode rows, a fresh prefill, an extend-after-context row, a 1-token prompt.
+    batch = [
+        ("d1", prompts["d1"][-1:]),
+        ("fresh", prompts["fresh"]),
+        ("d2", prompts["d2"][-1:]),
+        ("chunked", prompts["chunked"][13:]),
+        ("d3", prompts["d3"][-1:]),
+        ("one", prompts["one"]),
+    ]
+    rows = run_step(ours, kv, batch)
+    for (name, new), hidden in zip(batch, rows, strict=True):
+        want = expected[name][len(prompts[name]) - len(new):]
+        torch.testing.assert_close(ours.compute_logits(hidden), want, atol=ATOL, rtol=0, msg=name)
+
+
+def test_many_decode_rows_in_several_buckets_match(models):
+    """Enough decode rows of spread lengths that the backend splits them into several buckets."""
+    ours, cfg, ref = models
+    lengths = [3 + 5 * i for i in range(40)]  # 3 .. 198 tokens
+    prompts = {f"s{i}": prompt(cfg, n, seed=100 + i) for i, n in enumerate(lengths)}
+    kv = PagedKV.for_model(cfg, num_blocks=2 * sum(lengths) // 8 + 64, block_size=8, seed=5)
+    run_step(ours, kv, [(sid, ids[:-1]) for sid, ids in prompts.items()])
+    batch = [(sid, ids[-1:]) for sid, ids in reversed(list(prompts.items()))]
+    rows = run_step(ours, kv, batch)
+    got = ours.compute_logits(torch.cat(rows))
+    want = torch.stack([reference_logits(ref, prompts[sid])[-1] for sid, _ in batch])
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+
+
+def test_greedy_continuation_equals_transformers_generate(models):
+    ours, cfg, ref = models
+    ids = prompt(cfg, 12, seed=7)
+    with torch.no_grad():
+        out = ref.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                           pad_token_id=0)[0, 12:].tolist()
+    kv = PagedKV.for_model(cfg, num_blocks=8, block_size=4, seed=8)
+    new, tokens = ids, []
+    for _ in range(8):
+        (hidden,) = run_step(ours, kv, [("g", new)])
+        token = int(ours.compute_logits(hidden[-1:]).argmax(-1))
+        tokens.append(token)
+        new = [token]
+    assert tokens == out
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_is_close_to_fp32(tiny_llama_dir, dtype):
+    fp32, cfg32 = load_model(tiny_llama_dir, dtype="float32", attention_backend=TorchAttentionBackend())
+    half, cfg = load_model(tiny_llama_dir, dtype=dtype, attention_backend=TorchAttentionBackend())
+    assert cfg.dtype == dtype and half.embed_tokens.dtype == dtype
+    ids = prompt(cfg32, 20, seed=9)
+    a = fp32.compute_logits(run_step(fp32, PagedKV.for_model(cfg32), [("x", ids)])[0])
+    b = half.compute_logits(run_step(half, PagedKV.for_model(cfg), [("x", ids)])[0])
+    assert b.dtype == torch.float32
+    assert (a - b).abs().max() < 0.05 * a.abs().max()
