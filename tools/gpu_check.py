@@ -1,0 +1,607 @@
+"""One prepared command that measures tokenmill's GPU path and writes a JSON and a markdown report.
+
+    tools/gpu_check [--out DIR] [--dry-run] [--only SECTION ...]
+
+Sections (each catches and reports its own failure, so one broken part never loses the others):
+  environment      versions, device name, SM count
+  kernels          every kernel against its torch reference (fp32, fp16 and, on CUDA, bf16)
+  copy_bandwidth   device-to-device copy: bytes read + written per second; the roofline's yardstick
+  attention        paged-attention decode: KV bytes read per second, as a fraction of copy bandwidth
+  decode_step      ~1B Llama (bf16, random weights) decode step at batch 64 and 256 vs its roofline
+                   (weight + KV bytes read per step / copy bandwidth)
+  mixed            the engine's `mixed` bench workload against transformers `generate`
+  throughput       256 sequences, input and output lengths uniform in [100, 1024], ignore_eos, on a
+                   Llama-3.2-1B-shaped model: output tokens/s and its fraction of the roofline ceiling
+                   (sum over decode steps of bytes read / copy bandwidth)
+
+Runs with torch, triton, transformers and safetensors only (no Kafka, pydantic or boto3). The report
+goes to --out, else $OUT, else ./gpu_check_out. --dry-run takes the same code path on the CPU at toy
+sizes (Triton kernels under the interpreter) so the test suite keeps this script working.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import random
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+# ---------------------------------------------------------------------------------------------- sizes
+
+
+@dataclass
+class Sizes:
+    dry_run: bool
+    kernel_dtypes: tuple[str, ...]
+    gpu_kernel_cases: bool
+    copy_mib: int
+    # attention: (label, decode rows, context per row, forced splits or None)
+    attention_runs: list[tuple[str, int, int, int | None]]
+    attention_heads: tuple[int, int, int]  # heads, kv heads, head_dim
+    block_size: int
+    model_shape: dict[str, Any]  # Hugging Face LlamaConfig fields
+    model_dtype: str
+    decode_batches: tuple[int, ...]
+    decode_context: int
+    bench_iters: int
+    throughput_seqs: int
+    throughput_len_range: tuple[int, int]
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    mixed_workload_scale: float  # fraction of the bench's `mixed` request count (1.0 on a GPU)
+
+
+LLAMA_1B = dict(  # Llama-3.2-1B shape
+    vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+    num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True,
+    max_position_embeddings=4096, rope_theta=500000.0,
+)
+TOY_LLAMA = dict(
+    vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+    max_position_embeddings=256,
+)
+
+
+def gpu_sizes() -> Sizes:
+    return Sizes(
+        dry_run=False,
+        kernel_dtypes=("float32", "float16", "bfloat16"),
+        gpu_kernel_cases=True,
+        copy_mib=2048,
+        attention_runs=[
+            ("decode b64 ctx4096", 64, 4096, None),
+            ("decode b256 ctx1024", 256, 1024, None),
+            ("decode b8 ctx16384 no split", 8, 16384, 1),
+            ("decode b8 ctx16384 split-KV", 8, 16384, None),
+        ],
+        attention_heads=(32, 8, 64),
+        block_size=16,
+        model_shape=LLAMA_1B,
+        model_dtype="bfloat16",
+        decode_batches=(64, 256),
+        decode_context=512,
+        bench_iters=20,
+        throughput_seqs=256,
+        throughput_len_range=(100, 1024),
+        max_num_seqs=256,
+        max_num_batched_tokens=8192,
+        mixed_workload_scale=1.0,
+    )
+
+
+def dry_sizes() -> Sizes:
+    return Sizes(
+        dry_run=True,
+        kernel_dtypes=("float32",),
+        gpu_kernel_cases=False,
+        copy_mib=4,
+        attention_runs=[("decode b2 ctx40", 2, 40, None), ("decode b2 ctx40 split", 2, 40, 2)],
+        attention_heads=(4, 2, 32),
+        block_size=16,
+        model_shape=TOY_LLAMA,
+        model_dtype="float32",
+        decode_batches=(2, 4),
+        decode_context=12,
+        bench_iters=2,
+        throughput_seqs=4,
+        throughput_len_range=(4, 12),
+        max_num_seqs=8,
+        max_num_batched_tokens=256,
+        mixed_workload_scale=0.02,
+    )
+
+
+# --------------------------------------------------------------------------------------------- helpers
+
+
+@dataclass
+class Context:
+    sizes: Sizes
+    device: Any  # torch.device
+    results: dict[str, Any] = field(default_factory=dict)
+    workdir: Path | None = None
+    _model_dir: Path | None = None
+
+    def model_dir(self) -> Path:
+        """A random-weight checkpoint of the configured shape, built once per run."""
+        if self._model_dir is None:
+            self._model_dir = build_checkpoint(self.sizes.model_shape, self.sizes.model_dtype, self.device,
+                                               self.workdir / "model")
+        return self._model_dir
+
+    def copy_bandwidth(self) -> float:
+        """Bytes per second (read + written) of a device-to-device copy; measured on first use."""
+        if "copy_bandwidth" not in self.results or not self.results["copy_bandwidth"].get("ok"):
+            self.results["copy_bandwidth"] = run_section("copy_bandwidth", section_copy_bandwidth, self)
+        return self.results["copy_bandwidth"]["bytes_per_s"]
+
+
+def dtype_of(name: str):
+    import torch
+
+    return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[name]
+
+
+def synchronize(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_ms(fn: Callable[[], Any], device, iters: int, warmup: int = 2) -> float:
+    """Median wall time of fn in ms (synchronised, so it is GPU time on CUDA)."""
+    for _ in range(warmup):
+        fn()
+    synchronize(device)
+    samples = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        synchronize(device)
+        samples.append((time.perf_counter() - t0) * 1e3)
+    samples.sort()
+    return samples[len(samples) // 2]
+
+
+def run_section(name: str, fn: Callable[[Context], dict], ctx: Context) -> dict:
+    t0 = time.perf_counter()
+    print(f"[gpu_check] {name} ...", flush=True)
+    try:
+        result = fn(ctx)
+        result.setdefault("ok", True)
+    except Exception as exc:  # report and go on: the other sections' numbers still count
+        result = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+    result["seconds"] = round(time.perf_counter() - t0, 2)
+    print(f"[gpu_check] {name}: {'ok' if result['ok'] else 'FAILED ' + result['error']} ({result['seconds']} s)",
+          flush=True)
+    return result
+
+
+def build_checkpoint(shape: dict, dtype_name: str, device, out_dir: Path) -> Path:
+    """Seeded random-weight Llama checkpoint (initialised on the device: fast even at 1B)."""
+    import torch
+    import transformers
+
+    from tools.tiny_models import build_tokenizer
+
+    if (out_dir / "config.json").exists():
+        return out_dir
+    tokenizer = build_tokenizer(shape["vocab_size"])
+    eos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    config = transformers.LlamaConfig(bos_token_id=None, eos_token_id=[eos, im_end], pad_token_id=eos, **shape)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = transformers.LlamaForCausalLM(config)
+    model = model.to(dtype_of(dtype_name)).eval()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    del model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return out_dir
+
+
+def param_bytes(model) -> int:
+    """Bytes of distinct parameters (a tied embedding counts once: the LM head reads it whole)."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() in seen:
+            continue
+        seen.add(p.data_ptr())
+        total += p.numel() * p.element_size()
+    return total
+
+
+# -------------------------------------------------------------------------------------------- sections
+
+
+def section_environment(ctx: Context) -> dict:
+    import torch
+    import triton
+
+    info = dict(
+        python=platform.python_version(), torch=torch.__version__, triton=triton.__version__,
+        device=str(ctx.device), dry_run=ctx.sizes.dry_run,
+        triton_interpret=os.environ.get("TRITON_INTERPRET", ""),
+    )
+    try:
+        import transformers
+
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        info["transformers"] = None
+    if ctx.device.type == "cuda":
+        props = torch.cuda.get_device_properties(ctx.device)
+        info.update(gpu=props.name, sms=props.multi_processor_count, memory_gib=round(props.total_memory / 2**30, 1))
+    return info
+
+
+def section_kernels(ctx: Context) -> dict:
+    from kernels.checks import ATTENTION_CASES, GPU_ATTENTION_CASES, run_all
+
+    cases = ATTENTION_CASES + (GPU_ATTENTION_CASES if ctx.sizes.gpu_kernel_cases else [])
+    if ctx.sizes.dry_run:
+        cases = ATTENTION_CASES[:3]
+    checks = run_all(ctx.device, [dtype_of(d) for d in ctx.sizes.kernel_dtypes], cases)
+    failed = [c for c in checks if not c["ok"]]
+    return dict(ok=not failed, passed=len(checks) - len(failed), failed=len(failed), checks=checks)
+
+
+def section_copy_bandwidth(ctx: Context) -> dict:
+    import torch
+
+    n = ctx.sizes.copy_mib * 2**20
+    src = torch.empty(n, dtype=torch.uint8, device=ctx.device).random_(0, 255)
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src), ctx.device, iters=max(5, ctx.sizes.bench_iters))
+    bytes_per_s = 2 * n / (ms / 1e3)  # each byte is read once and written once
+    return dict(buffer_mib=ctx.sizes.copy_mib, ms=ms, bytes_per_s=bytes_per_s, gb_per_s=bytes_per_s / 1e9)
+
+
+def section_attention(ctx: Context) -> dict:
+    import torch
+
+    from kernels.paged_attention import paged_attention
+
+    copy_bw = ctx.copy_bandwidth()
+    heads, kv_heads, head_dim = ctx.sizes.attention_heads
+    dtype = dtype_of(ctx.sizes.model_dtype)
+    bs = ctx.sizes.block_size
+    runs = []
+    for label, batch, context, splits in ctx.sizes.attention_runs:
+        seq_len = context + 1
+        blocks_per_seq = math.ceil(seq_len / bs)
+        num_blocks = batch * blocks_per_seq
+        cache_shape = (num_blocks, bs, kv_heads, head_dim)
+        key_cache = torch.randn(cache_shape, dtype=dtype, device=ctx.device)
+        value_cache = torch.randn(cache_shape, dtype=dtype, device=ctx.device)
+        perm = torch.randperm(num_blocks, device=ctx.device).to(torch.int32)  # scattered, as in a real pool
+        block_tables = perm.view(batch, blocks_per_seq)
+        seq_lens = torch.full((batch,), seq_len, dtype=torch.int32, device=ctx.device)
+        qsl = torch.arange(batch + 1, dtype=torch.int32, device=ctx.device)
+        query = torch.randn((batch, heads, head_dim), dtype=dtype, device=ctx.device)
+
+        def call():
+            return paged_attention(query, key_cache, value_cache, block_tables, seq_lens, qsl, head_dim**-0.5,
+                                   max_query_len=1, max_seq_len=seq_len, num_splits=splits)
+
+        ms = time_ms(call, ctx.device, iters=ctx.sizes.bench_iters)
+        kv_bytes = 2 * batch * seq_len * kv_heads * head_dim * key_cache.element_size()
+        moved = kv_bytes + 2 * query.numel() * query.element_size()  # + query read and output write
+        runs.append(dict(label=label, batch=batch, context=context, forced_splits=splits, ms=ms,
+                         bytes=moved, bytes_per_s=moved / (ms / 1e3), fraction_of_copy=moved / (ms / 1e3) / copy_bw))
+        del key_cache, value_cache
+    best = max(r["fraction_of_copy"] for r in runs)
+    return dict(heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype=ctx.sizes.model_dtype, runs=runs,
+                best_fraction_of_copy=best)
+
+
+def _load_engine_model(ctx: Context):
+    from worker.engine.attention.triton_backend import TritonAttentionBackend
+    from worker.engine.loader import load_model
+
+    return load_model(ctx.model_dir(), dtype=ctx.sizes.model_dtype, device=ctx.device,
+                      attention_backend=TritonAttentionBackend())
+
+
+def section_decode_step(ctx: Context) -> dict:
+    import torch
+
+    from worker.engine.attention import AttentionMetadata
+
+    copy_bw = ctx.copy_bandwidth()
+    model, config = _load_engine_model(ctx)
+    weights = param_bytes(model)
+    bs = ctx.sizes.block_size
+    elt = torch.empty((), dtype=config.dtype).element_size()
+    kv_bytes_per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * elt
+    runs = []
+    for batch in ctx.sizes.decode_batches:
+        seq_len = ctx.sizes.decode_context + 1
+        blocks_per_seq = math.ceil(seq_len / bs)
+        num_blocks = batch * blocks_per_seq
+        shape = (num_blocks, bs, config.num_kv_heads, config.head_dim)
+        kv_caches = [(torch.randn(shape, dtype=config.dtype, device=ctx.device),
+                      torch.randn(shape, dtype=config.dtype, device=ctx.device)) for _ in range(config.num_layers)]
+        block_tables = torch.arange(num_blocks, dtype=torch.int32, device=ctx.device).view(batch, blocks_per_seq)
+        positions = torch.full((batch,), seq_len - 1, dtype=torch.long, device=ctx.device)
+        slots = (block_tables[:, (seq_len - 1) // bs].long() * bs + (seq_len - 1) % bs)
+        meta = AttentionMetadata(
+            query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=ctx.device),
+            seq_lens=torch.full((batch,), seq_len, dtype=torch.int32, device=ctx.device),
+            block_tables=block_tables, slot_mapping=slots, max_query_len=1, max_seq_len=seq_len,
+            query_start_loc_cpu=list(range(batch + 1)), seq_lens_cpu=[seq_len] * batch,
+        )
+        input_ids = torch.randint(0, config.vocab_size, (batch,), device=ctx.device)
+
+        @torch.inference_mode()
+        def step():
+            hidden = model(input_ids, positions, meta, kv_caches)
+            return model.compute_logits(hidden)
+
+        ms = time_ms(step, ctx.device, iters=ctx.sizes.bench_iters)
+        step_bytes = weights + batch * seq_len * kv_bytes_per_token
+        roofline_ms = step_bytes / copy_bw * 1e3
+        runs.append(dict(batch=batch, context=ctx.sizes.decode_context, step_ms=ms, roofline_ms=roofline_ms,
+                         roofline_over_step=roofline_ms / ms, bytes_per_step=step_bytes,
+                         tokens_per_s=batch / (ms / 1e3)))
+        del kv_caches
+    del model
+    return dict(weight_bytes=weights, kv_bytes_per_token=kv_bytes_per_token, runs=runs)
+
+
+def roofline_ceiling(prompt_lens: list[int], output_lens: list[int], weight_bytes: int, kv_bytes_per_token: int,
+                     copy_bw: float, max_num_seqs: int) -> dict:
+    """Fastest possible decode: every step reads the weights once plus the KV of every running sequence.
+
+    Sequences run max_num_seqs at a time (a new one joins as soon as one finishes); each decode step
+    reads the weights and the whole context of each running sequence; prefill is left out (it is
+    compute-bound and tiny next to the decode steps here). Returns the ceiling time and tokens/s.
+    """
+    pending = list(zip(prompt_lens, output_lens))[::-1]
+    running: list[list[int]] = []  # [context, tokens left]
+    total_bytes = 0
+    steps = 0
+    while pending or running:
+        while pending and len(running) < max_num_seqs:
+            p, o = pending.pop()
+            running.append([p, o])
+        total_bytes += weight_bytes + kv_bytes_per_token * sum(ctx_len for ctx_len, _ in running)
+        steps += 1
+        for r in running:
+            r[0] += 1
+            r[1] -= 1
+        running = [r for r in running if r[1] > 0]
+    seconds = total_bytes / copy_bw
+    return dict(steps=steps, bytes=total_bytes, seconds=seconds, tokens_per_s=sum(output_lens) / seconds)
+
+
+def _engine_module():
+    """E-core's engine; a section that needs it fails with this message until it exists."""
+    try:
+        from worker.engine import engine as engine_module
+    except ImportError as exc:
+        raise RuntimeError(f"worker.engine.engine is not available: {exc}") from exc
+    return engine_module
+
+
+def make_engine(ctx: Context, model_dir: Path):
+    from worker.engine.engine import Engine, EngineConfig
+
+    config = EngineConfig(
+        model=str(model_dir), device=str(ctx.device), dtype=ctx.sizes.model_dtype, attention_backend="triton",
+        max_num_seqs=ctx.sizes.max_num_seqs, max_num_batched_tokens=ctx.sizes.max_num_batched_tokens,
+    )
+    return Engine(config)
+
+
+def section_throughput(ctx: Context) -> dict:
+    import torch
+
+    _engine_module()
+    from worker.engine.types import EngineRequest, SamplingParams
+
+    copy_bw = ctx.copy_bandwidth()
+    rng = random.Random(2026)
+    lo, hi = ctx.sizes.throughput_len_range
+    n = ctx.sizes.throughput_seqs
+    vocab = ctx.sizes.model_shape["vocab_size"]
+    prompt_lens = [rng.randint(lo, hi) for _ in range(n)]
+    output_lens = [rng.randint(lo, hi) for _ in range(n)]
+    requests = [
+        EngineRequest(
+            request_id=f"t{i}",
+            prompt_token_ids=[rng.randrange(3, vocab) for _ in range(prompt_lens[i])],
+            sampling=SamplingParams(max_tokens=output_lens[i], temperature=0.0, ignore_eos=True),
+        )
+        for i in range(n)
+    ]
+    engine = make_engine(ctx, ctx.model_dir())
+    warm = EngineRequest(request_id="warmup", prompt_token_ids=[5] * 16,
+                         sampling=SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    engine.generate([warm])  # compile kernels outside the timed run
+    synchronize(ctx.device)
+    t0 = time.perf_counter()
+    outputs = engine.generate(requests)  # request_id -> final delta
+    synchronize(ctx.device)
+    seconds = time.perf_counter() - t0
+    produced = sum(len(o.output_token_ids or []) for o in outputs.values())
+    if produced != sum(output_lens):
+        raise RuntimeError(f"engine produced {produced} tokens, expected {sum(output_lens)} (ignore_eos)")
+    model_cfg = ctx.sizes.model_shape
+    head_dim = model_cfg["hidden_size"] // model_cfg["num_attention_heads"]
+    elt = torch.empty((), dtype=dtype_of(ctx.sizes.model_dtype)).element_size()
+    kv_bytes_per_token = 2 * model_cfg["num_hidden_layers"] * model_cfg["num_key_value_heads"] * head_dim * elt
+    weights = _llama_param_count(model_cfg) * elt
+    ceiling = roofline_ceiling(prompt_lens, output_lens, weights, kv_bytes_per_token, copy_bw,
+                               ctx.sizes.max_num_seqs)
+    tok_s = produced / seconds
+    return dict(sequences=n, prompt_tokens=sum(prompt_lens), output_tokens=produced, seconds=seconds,
+                output_tok_s=tok_s, ceiling_tok_s=ceiling["tokens_per_s"], ceiling_steps=ceiling["steps"],
+                fraction_of_ceiling=tok_s / ceiling["tokens_per_s"], weight_bytes=weights,
+                max_num_seqs=ctx.sizes.max_num_seqs, max_num_batched_tokens=ctx.sizes.max_num_batched_tokens)
+
+
+def _llama_param_count(shape: dict) -> int:
+    h, inter, layers = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
+    head_dim = h // shape["num_attention_heads"]
+    q, kv = shape["num_attention_heads"] * head_dim, shape["num_key_value_heads"] * head_dim
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * inter + 2 * h
+    emb = shape["vocab_size"] * h * (1 if shape.get("tie_word_embeddings") else 2)
+    return layers * per_layer + emb + h
+
+
+def section_mixed(ctx: Context) -> dict:
+    _engine_module()
+    try:
+        from tools import bench
+    except ImportError as exc:
+        raise RuntimeError(f"tools/bench.py is not available: {exc}") from exc
+    return bench.run_gpu_check_mixed(ctx.device, ctx.sizes.model_dtype, ctx.sizes.mixed_workload_scale)
+
+
+SECTIONS: list[tuple[str, Callable[[Context], dict]]] = [
+    ("environment", section_environment),
+    ("kernels", section_kernels),
+    ("copy_bandwidth", section_copy_bandwidth),
+    ("attention", section_attention),
+    ("decode_step", section_decode_step),
+    ("mixed", section_mixed),
+    ("throughput", section_throughput),
+]
+
+
+# --------------------------------------------------------------------------------------------- report
+
+
+def _fmt(x: Any, digits: int = 3) -> str:
+    if isinstance(x, float):
+        return f"{x:.{digits}g}" if abs(x) < 1e4 else f"{x:,.0f}"
+    return str(x)
+
+
+def markdown_report(report: dict) -> str:
+    s = report["sections"]
+    lines = ["# tokenmill gpu_check", ""]
+    env = s.get("environment", {})
+    lines.append(f"- device: {env.get('gpu', env.get('device'))}; torch {env.get('torch')}, triton {env.get('triton')}, "
+                 f"transformers {env.get('transformers')}; dry run: {report['dry_run']}")
+    lines.append(f"- total: {report['seconds']:.1f} s; sections failed: {', '.join(report['failed']) or 'none'}")
+    lines.append("")
+    lines.append("| section | ok | seconds | headline |")
+    lines.append("|---|---|---|---|")
+    for name, res in s.items():
+        lines.append(f"| {name} | {'yes' if res.get('ok') else 'NO'} | {res.get('seconds')} | {_headline(name, res)} |")
+    k = s.get("kernels", {})
+    if k.get("checks"):
+        lines += ["", "## kernels", "", "| check | dtype | max error | tolerance | ok |", "|---|---|---|---|---|"]
+        for c in k["checks"]:
+            err = _fmt(c["max_err"]) if c.get("max_err") is not None else c.get("error", "")
+            lines.append(f"| {c['check']} | {c['dtype']} | {err} | {c['tol']:g} | {'yes' if c['ok'] else 'NO'} |")
+    a = s.get("attention", {})
+    if a.get("runs"):
+        lines += ["", "## attention (decode, KV bytes read per second)", "",
+                  "| run | ms | GB/s | fraction of copy |", "|---|---|---|---|"]
+        for r in a["runs"]:
+            lines.append(f"| {r['label']} | {_fmt(r['ms'])} | {_fmt(r['bytes_per_s'] / 1e9)} | {_fmt(r['fraction_of_copy'])} |")
+    d = s.get("decode_step", {})
+    if d.get("runs"):
+        lines += ["", "## decode step (~1B Llama)", "", "| batch | step ms | roofline ms | roofline / step | tok/s |",
+                  "|---|---|---|---|---|"]
+        for r in d["runs"]:
+            lines.append(f"| {r['batch']} | {_fmt(r['step_ms'])} | {_fmt(r['roofline_ms'])} | "
+                         f"{_fmt(r['roofline_over_step'])} | {_fmt(r['tokens_per_s'])} |")
+    for name, res in s.items():
+        if not res.get("ok") and res.get("error"):
+            lines += ["", f"## {name} failed", "", "```", res.get("traceback", res["error"]).strip()[-3000:], "```"]
+    return "\n".join(lines) + "\n"
+
+
+def _headline(name: str, res: dict) -> str:
+    if not res.get("ok"):
+        return f"error: {res.get('error', 'failed checks')}"[:200].replace("|", "/")
+    if name == "kernels":
+        return f"{res['passed']} passed, {res['failed']} failed"
+    if name == "copy_bandwidth":
+        return f"{_fmt(res['gb_per_s'])} GB/s (read + write)"
+    if name == "attention":
+        return f"best {_fmt(res['best_fraction_of_copy'])} of copy bandwidth"
+    if name == "decode_step":
+        return "; ".join(f"b{r['batch']}: {_fmt(r['step_ms'])} ms, roofline/step {_fmt(r['roofline_over_step'])}"
+                         for r in res["runs"])
+    if name == "throughput":
+        return (f"{_fmt(res['output_tok_s'])} output tok/s, {_fmt(res['fraction_of_ceiling'])} of ceiling "
+                f"{_fmt(res['ceiling_tok_s'])} tok/s")
+    if name == "mixed":
+        return f"ratio {_fmt(res.get('ratio'))} vs transformers"
+    if name == "environment":
+        return str(res.get("gpu", res.get("device")))
+    return ""
+
+
+# ----------------------------------------------------------------------------------------------- main
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="gpu_check", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=os.environ.get("OUT") or "gpu_check_out",
+                        help="folder for gpu_check.json and gpu_check.md (default: $OUT or ./gpu_check_out)")
+    parser.add_argument("--dry-run", action="store_true", help="same code path on the CPU at toy sizes")
+    parser.add_argument("--only", nargs="+", choices=[name for name, _ in SECTIONS], help="run only these sections")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.dry_run:
+        # The interpreter must be on before any kernel module defines its @triton.jit functions.
+        os.environ["TRITON_INTERPRET"] = "1"
+    import torch
+
+    if args.dry_run:
+        torch.set_num_threads(1)
+        device = torch.device("cpu")
+    else:
+        if not torch.cuda.is_available():
+            print("gpu_check: no CUDA device; use --dry-run on a CPU", file=sys.stderr)
+            return 2
+        device = torch.device("cuda")
+    sizes = dry_sizes() if args.dry_run else gpu_sizes()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="gpu_check-") as tmp:
+        ctx = Context(sizes=sizes, device=device, workdir=Path(tmp))
+        for name, fn in SECTIONS:
+            if args.only and name not in args.only:
+                continue
+            if name == "copy_bandwidth" and name in ctx.results:
+                continue  # measured already on demand
+            ctx.results[name] = run_section(name, fn, ctx)
+    order = [name for name, _ in SECTIONS if name in ctx.results]
+    report = dict(
+        dry_run=sizes.dry_run, sizes=asdict(sizes), seconds=time.perf_counter() - t0,
+        sections={name: ctx.results[name] for name in order},
+        failed=[name for name in order if not ctx.results[name].get("ok")],
+    )
+    (out / "gpu_check.json").write_text(json.dumps(report, indent=2, default=str))
+    (out / "gpu_check.md").write_text(markdown_report(report))
+    print(f"[gpu_check] report: {out / 'gpu_check.md'}; failed sections: {report['failed'] or 'none'}")
+    return 0 if not report["failed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
