@@ -443,9 +443,9 @@ class KafkaWorker:
                 log, outcome=("dead_letter", err.code),
             )
             return True
-        self._guard(None)
         log = job_log(self.log, job.job_id, tp.partition, rec.offset)
         if job.deadline_ms is not None and job.deadline_ms <= time.time() * 1000:
+            self._guard(None)
             result = answers.expired_result(
                 job, model=self.served_model_name, worker=self.s.worker_name, attempt=attempt, source=source
             )
@@ -473,6 +473,7 @@ class KafkaWorker:
         except ValueError as exc:  # sampling values the engine refuses although the schema allowed them
             self._jobs.pop(job.request_id, None)
             self._release_tenant(job, submit_next=True)
+            self._guard(ERROR_INVALID_JOB)
             self._spawn_answer(
                 job.tp, job.epoch, job.offset,
                 self._bad_input_records(job.tp, job, ERROR_INVALID_JOB, str(exc), job.job.job_id, job.attempt,
@@ -567,8 +568,8 @@ class KafkaWorker:
         if result.status == "error":
             # A job that cannot run here (prompt too long) is dead-lettered like other bad input.
             code = result.error.code
-            if code == ERROR_PROMPT_TOO_LONG:
-                self._guard(code)
+            # The guard counts each decodable input once, when its outcome is known.
+            self._guard(code if code in (ERROR_PROMPT_TOO_LONG, ERROR_INVALID_JOB) else None)
             records.insert(
                 0,
                 answers.dead_letter(
@@ -578,7 +579,9 @@ class KafkaWorker:
                     if self._dlq_partitions and job.tp.partition < self._dlq_partitions else None,
                 ),
             )
-        elif result.status == "ok" and delta.timing is not None:
+        else:
+            self._guard(None)
+        if result.status == "ok" and delta.timing is not None:
             self.metrics.ttft.observe(delta.timing.ttft_ms)
             n = len(result.token_ids)
             if n > 1:
@@ -620,10 +623,9 @@ class KafkaWorker:
         elif status == "dead_letter":
             m.jobs_dead_lettered.labels(code).inc()
             m.jobs_error.labels(code).inc()
-        else:
+        else:  # an engine-side error: dead-lettered as well (see _finish)
             m.jobs_error.labels(code or "internal").inc()
-            if code == ERROR_PROMPT_TOO_LONG:
-                m.jobs_dead_lettered.labels(code).inc()
+            m.jobs_dead_lettered.labels(code or "internal").inc()
 
     # ---------------------------------------------------------------------------------------
     # committing

@@ -87,6 +87,9 @@ class EngineThread:
                 try:
                     self.engine.add(request)
                 except Exception as exc:  # a request the engine refuses must not stop the loop
+                    # ValueError is the engine's "this request is invalid" (e.g. token ids outside
+                    # the vocabulary); anything else is our failure, not the job's.
+                    code = "invalid_job" if isinstance(exc, ValueError) else "internal"
                     failed.append(
                         RequestDelta(
                             request_id=request.request_id,
@@ -95,7 +98,7 @@ class EngineThread:
                             finished=True,
                             finish_reason=FinishReason.ERROR,
                             usage=Usage(),
-                            error=f"{type(exc).__name__}: {exc}",
+                            error=f"{code}: {exc}" if code == "invalid_job" else f"{code}: {type(exc).__name__}: {exc}",
                         )
                     )
             else:
