@@ -1,0 +1,119 @@
+"""Write the backfill output: exactly one row per input row, in input order, streamed from the store.
+
+Formats:
+- `jsonl` / `parquet`: columns row, key, job_id, status, text, finish_reason, usage
+  {prompt_tokens, completion_tokens, cached_prompt_tokens}, latency_ms (submit -> result received,
+  as the backfill saw it), engine_ms (the worker's own arrival -> finish), error_code, error_message.
+- `openai`: OpenAI Batch output lines (`id`, `custom_id`, `response`, `error`), JSONL.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from tools.backfill.store import ResultStore
+
+OUTPUT_FORMATS = ("jsonl", "parquet", "openai")
+_PARQUET_ROWS_PER_GROUP = 8192
+
+
+def output_row(row, job_id, key, submitted_at, received_at, result: dict[str, Any]) -> dict[str, Any]:
+    usage = result.get("usage") or {}
+    error = result.get("error") or {}
+    timing = result.get("timing") or {}
+    latency = None
+    if submitted_at is not None and received_at is not None and received_at >= submitted_at:
+        latency = round((received_at - submitted_at) * 1000.0, 3)
+    return {
+        "row": row,
+        "key": key,
+        "job_id": job_id,
+        "status": result.get("status"),
+        "text": result.get("text"),
+        "finish_reason": result.get("finish_reason"),
+        "usage": {
+            "prompt_tokens": int(usage.get("prompt_tokens") or 0),
+            "completion_tokens": int(usage.get("completion_tokens") or 0),
+            "cached_prompt_tokens": int(usage.get("cached_prompt_tokens") or 0),
+        },
+        "latency_ms": latency,
+        "engine_ms": timing.get("total_ms"),
+        "error_code": error.get("code"),
+        "error_message": error.get("message"),
+    }
+
+
+def _parquet_schema():
+    import pyarrow as pa
+
+    return pa.schema(
+        [
+            ("row", pa.int64()),
+            ("key", pa.string()),
+            ("job_id", pa.string()),
+            ("status", pa.string()),
+            ("text", pa.string()),
+            ("finish_reason", pa.string()),
+            ("usage", pa.struct([("prompt_tokens", pa.int64()), ("completion_tokens", pa.int64()),
+                                 ("cached_prompt_tokens", pa.int64())])),
+            ("latency_ms", pa.float64()),
+            ("engine_ms", pa.float64()),
+            ("error_code", pa.string()),
+            ("error_message", pa.string()),
+        ]
+    )
+
+
+def write_output(store: ResultStore, path: Path, fmt: str) -> int:
+    """Write every row of the store to a local file; return the number of rows written.
+
+    Every row must have a result (the caller checks); a row without one is a bug, not a blank line.
+    """
+    if fmt not in OUTPUT_FORMATS:
+        raise ValueError(f"unknown output format {fmt!r}; expected one of {', '.join(OUTPUT_FORMATS)}")
+    written = 0
+    expected_row = 0
+    if fmt == "parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        schema = _parquet_schema()
+        buf: list[dict] = []
+        with pq.ParquetWriter(str(path), schema) as writer:
+            for row, job_id, key, _chat, sub, rec, result in store.iter_output():
+                _check(row, expected_row, result)
+                expected_row += 1
+                buf.append(output_row(row, job_id, key, sub, rec, result))
+                if len(buf) >= _PARQUET_ROWS_PER_GROUP:
+                    writer.write_table(pa.Table.from_pylist(buf, schema=schema))
+                    written += len(buf)
+                    buf = []
+            if buf or written == 0:
+                writer.write_table(pa.Table.from_pylist(buf, schema=schema))
+                written += len(buf)
+        return written
+
+    with open(path, "w", encoding="utf-8") as f:
+        for row, job_id, key, chat, sub, rec, result in store.iter_output():
+            _check(row, expected_row, result)
+            expected_row += 1
+            if fmt == "openai":
+                from schemas import Result, openai_batch_output_line
+
+                line = openai_batch_output_line(
+                    Result.model_validate(result), "/v1/chat/completions" if chat else "/v1/completions"
+                )
+            else:
+                line = output_row(row, job_id, key, sub, rec, result)
+            f.write(json.dumps(line, ensure_ascii=False) + "\n")
+            written += 1
+    return written
+
+
+def _check(row: int, expected: int, result: dict | None) -> None:
+    if row != expected:
+        raise RuntimeError(f"backfill state has a gap: row {expected} missing before row {row}")
+    if result is None:
+        raise RuntimeError(f"row {row} has no result yet")
