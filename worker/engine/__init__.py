@@ -3,6 +3,8 @@
 Imports nothing from Kafka, pydantic schemas or boto3 (it must run alone on a GPU machine).
 """
 
+from typing import TYPE_CHECKING
+
 from worker.engine.types import (
     EngineRequest,
     EngineStats,
@@ -15,6 +17,8 @@ from worker.engine.types import (
 )
 
 __all__ = [
+    "Engine",
+    "EngineConfig",
     "EngineRequest",
     "EngineStats",
     "FinishReason",
@@ -24,3 +28,15 @@ __all__ = [
     "Timing",
     "Usage",
 ]
+
+if TYPE_CHECKING:
+    from worker.engine.engine import Engine, EngineConfig
+
+
+def __getattr__(name: str):
+    # Engine pulls in torch; loading it lazily keeps `import worker.engine.types` (and the CLI) light.
+    if name in ("Engine", "EngineConfig"):
+        from worker.engine import engine
+
+        return getattr(engine, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

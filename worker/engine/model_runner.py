@@ -166,17 +166,18 @@ class ModelRunner:
             t = t.pin_memory()
         return t.to(self.device, non_blocking=True)
 
-    @torch.inference_mode()
     def execute(self, requests: Sequence[Request], num_new_tokens: Sequence[int]) -> tuple[torch.Tensor | None, StepInputs]:
         """Run one batched forward; returns float32 logits [num sampling requests, vocab] (or None)."""
+        # Metadata is built outside inference mode: backends may key per-step plans on tensor versions.
         input_ids, positions, meta, logits_index, stats = self.prepare(requests, num_new_tokens)
         t0 = time.perf_counter()
-        hidden = self.model(input_ids, positions, meta, self.kv_caches)
-        logits = None
-        if stats.sample_requests:
-            if logits_index is not None:
-                hidden = hidden.index_select(0, logits_index)
-            logits = self.model.compute_logits(hidden)
+        with torch.inference_mode():
+            hidden = self.model(input_ids, positions, meta, self.kv_caches)
+            logits = None
+            if stats.sample_requests:
+                if logits_index is not None:
+                    hidden = hidden.index_select(0, logits_index)
+                logits = self.model.compute_logits(hidden)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.last_forward_s = time.perf_counter() - t0
