@@ -178,7 +178,9 @@ def job_from_openai_batch_line(line: dict[str, Any] | bytes | bytearray | str) -
             if value is not None and not _is_default(name, value):
                 problems.append(f"body.{name}: {_not_default_reason(name, value)}")
             continue
-        if value is None and name not in ("messages", "prompt", "model"):
+        if value is None:
+            if name in ("messages", "prompt"):
+                problems.append(f"body.{name}: must not be null")
             continue  # OpenAI reads null as "use the default"
         if name in _SAMPLING_FIELDS:
             sampling[_SAMPLING_FIELDS[name]] = value
@@ -259,11 +261,18 @@ def _usage(result: Result) -> dict[str, Any]:
     }
 
 
+# OpenAI writes -9999.0 for a probability too small to represent; its readers expect a number
+# where a Result has null (-infinity).
+_MIN_LOGPROB = -9999.0
+
+
+def _lp(logprob: float | None) -> float:
+    return _MIN_LOGPROB if logprob is None else logprob
+
+
 def _chat_logprobs(logprobs: list[TokenLogprob]) -> dict[str, Any]:
     def entry(token: str, logprob: float | None) -> dict[str, Any]:
-        # OpenAI writes -9999.0 for a probability too small to represent.
-        lp = -9999.0 if logprob is None else logprob
-        return {"token": token, "logprob": lp, "bytes": list(token.encode("utf-8", errors="replace"))}
+        return {"token": token, "logprob": _lp(logprob), "bytes": list(token.encode("utf-8", errors="replace"))}
 
     content = []
     for t in logprobs:
@@ -280,9 +289,9 @@ def _completion_logprobs(logprobs: list[TokenLogprob]) -> dict[str, Any]:
         at += len(t.token)
     return {
         "tokens": [t.token for t in logprobs],
-        "token_logprobs": [t.logprob for t in logprobs],
+        "token_logprobs": [_lp(t.logprob) for t in logprobs],
         # A dict per position, as OpenAI writes it (tokens with the same text collapse).
-        "top_logprobs": [{a.token: a.logprob for a in t.top_logprobs} for t in logprobs],
+        "top_logprobs": [{a.token: _lp(a.logprob) for a in t.top_logprobs} for t in logprobs],
         "text_offset": offsets,
     }
 

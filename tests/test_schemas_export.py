@@ -1,0 +1,137 @@
+"""The JSON Schema files: in sync with the models, and they accept and reject what the contract says."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import jsonschema
+import pytest
+
+from schemas import decode_job
+from schemas.export import JSON_DIR, SCHEMAS, main, render, schema_path, stale_files, write_all
+from worker.cli import main as cli_main
+
+# The example messages of the contract, verbatim.
+CONTRACT_JOB = {
+    "job_id": "row-000017",
+    "prompt": "Translate to French: good morning",
+    "sampling": {"max_tokens": 64, "temperature": 0.0},
+    "stream": True,
+    "metadata": {"dataset": "eval-2026-11"},
+}
+CONTRACT_EVENT = {"job_id": "row-000017", "attempt": "w3-7f2c", "index": 0, "token_ids": [1012, 318], "text": "Bon", "finished": False}
+CONTRACT_RESULT = {
+    "job_id": "row-000017", "status": "ok", "text": "Bonjour", "token_ids": [1012, 318, 29889],
+    "finish_reason": "stop", "model": "tiny-llama", "worker": "w3", "attempt": "w3-7f2c",
+    "usage": {"prompt_tokens": 9, "completion_tokens": 3, "cached_prompt_tokens": 0},
+    "timing": {"queue_ms": 12.0, "ttft_ms": 40.1, "decode_ms": 22.9, "total_ms": 75.0},
+    "source": {"topic": "tokenmill.jobs", "partition": 2, "offset": 1881},
+    "metadata": {"dataset": "eval-2026-11"},
+}
+
+
+def validator(name: str) -> jsonschema.Draft202012Validator:
+    schema = json.loads(schema_path(name).read_text(encoding="utf-8"))
+    jsonschema.Draft202012Validator.check_schema(schema)
+    return jsonschema.Draft202012Validator(schema)
+
+
+def test_files_match_the_models():
+    assert stale_files() == [], "schema files drifted from the models: run python -m schemas.export"
+    assert main(["--check"]) == 0
+
+
+def test_check_notices_drift(tmp_path, capsys):
+    write_all(tmp_path)
+    assert stale_files(tmp_path) == []
+    path = schema_path("job", tmp_path)
+    path.write_text(path.read_text().replace('"maximum": 20', '"maximum": 21'))
+    assert stale_files(tmp_path) == [path]
+    assert main(["--check", "--out-dir", str(tmp_path)]) == 1
+    assert "stale" in capsys.readouterr().err
+    (tmp_path / "result.schema.json").unlink()
+    assert len(stale_files(tmp_path)) == 2
+
+
+def test_export_module_writes_files(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "schemas.export", "--out-dir", str(tmp_path)], capture_output=True, text=True, check=True
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["job.schema.json", "result.schema.json", "token_event.schema.json"]
+    assert len(proc.stdout.splitlines()) == 3
+
+
+@pytest.mark.parametrize("name,example", [("job", CONTRACT_JOB), ("token-event", CONTRACT_EVENT), ("result", CONTRACT_RESULT)])
+def test_contract_examples_are_valid(name, example):
+    validator(name).validate(example)
+
+
+@pytest.mark.parametrize(
+    "name,job",
+    [
+        ("unknown field", {**CONTRACT_JOB, "colour": "red"}),
+        ("unknown sampling field", {**CONTRACT_JOB, "sampling": {"max_new_tokens": 3}}),
+        ("no prompt", {k: v for k, v in CONTRACT_JOB.items() if k != "prompt"}),
+        ("only a null prompt", {**CONTRACT_JOB, "prompt": None}),
+        ("two prompts", {**CONTRACT_JOB, "messages": [{"role": "user", "content": "hi"}]}),
+        ("max_tokens 0", {**CONTRACT_JOB, "sampling": {"max_tokens": 0}}),
+        ("empty prompt", {**CONTRACT_JOB, "prompt": ""}),
+        ("max_tokens as a string", {**CONTRACT_JOB, "sampling": {"max_tokens": "10"}}),
+        ("17 stop strings", {**CONTRACT_JOB, "sampling": {"stop": ["x"] * 17}}),
+        ("logprobs 21", {**CONTRACT_JOB, "sampling": {"logprobs": 21}}),
+        ("job_id too long", {**CONTRACT_JOB, "job_id": "x" * 257}),
+        ("bad role", {"job_id": "a", "messages": [{"role": "robot", "content": "hi"}]}),
+    ],
+)
+def test_job_schema_rejects(name, job):
+    assert list(validator("job").iter_errors(job)), name
+    # The models reject the same jobs.
+    with pytest.raises(ValueError):
+        decode_job(json.dumps(job).encode())
+
+
+def test_job_schema_accepts_each_prompt_form():
+    v = validator("job")
+    v.validate({"job_id": "a", "messages": [{"role": "user", "content": "hi"}], "prompt": None})
+    v.validate({"job_id": "a", "prompt_token_ids": [1, 2]})
+
+
+@pytest.mark.parametrize(
+    "result",
+    [
+        {**CONTRACT_RESULT, "finish_reason": None},
+        {**CONTRACT_RESULT, "status": "error"},
+        {**CONTRACT_RESULT, "error": {"code": "internal", "message": "x"}},
+        {**CONTRACT_RESULT, "status": "expired", "finish_reason": None, "error": {"code": "internal", "message": "x"}},
+        {**CONTRACT_RESULT, "status": "error", "finish_reason": None, "error": {"code": "oops", "message": "x"}},
+    ],
+)
+def test_result_schema_rejects_disagreeing_status(result):
+    assert list(validator("result").iter_errors(result))
+
+
+def test_result_schema_accepts_error_and_expired():
+    v = validator("result")
+    base = {k: v for k, v in CONTRACT_RESULT.items() if k not in ("text", "token_ids", "finish_reason")}
+    v.validate({**base, "status": "error", "error": {"code": "model_mismatch", "message": "wants m2"}})
+    v.validate({**base, "status": "expired"})
+
+
+@pytest.mark.parametrize("record", ["job", "token-event", "result"])
+def test_cli_prints_one_schema(record, capsys):
+    assert cli_main(["schema", record]) == 0
+    assert capsys.readouterr().out == render(record)
+
+
+def test_cli_prints_all(capsys):
+    assert cli_main(["schema"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert list(printed) == list(SCHEMAS)
+    for name in SCHEMAS:
+        assert printed[name] == json.loads(schema_path(name).read_text(encoding="utf-8"))
+
+
+def test_schema_files_ship_with_the_package():
+    assert JSON_DIR.name == "json" and (JSON_DIR / "job.schema.json").exists()

@@ -1,0 +1,274 @@
+"""OpenAI Batch lines -> Jobs, and Results -> OpenAI Batch output lines."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from schemas import (
+    CHAT_COMPLETIONS_URL,
+    COMPLETIONS_URL,
+    ERROR_INVALID_JOB,
+    JobDecodeError,
+    Result,
+    job_from_openai_batch_line,
+    openai_batch_output_line,
+    parse_input_line,
+)
+
+CHAT = "/v1/chat/completions"
+COMP = "/v1/completions"
+HI = [{"role": "user", "content": "hi"}]
+
+
+def line(body: dict, url: str = CHAT, **extra) -> dict:
+    return {"custom_id": "req-1", "method": "POST", "url": url, "body": body, **extra}
+
+
+def chat(**body) -> dict:
+    return line({"model": "tiny-llama", "messages": HI, **body})
+
+
+def comp(**body) -> dict:
+    return line({"model": "tiny-llama", "prompt": "Once upon", **body}, url=COMP)
+
+
+def rejected(obj) -> JobDecodeError:
+    with pytest.raises(JobDecodeError) as exc:
+        job_from_openai_batch_line(obj)
+    assert exc.value.code == ERROR_INVALID_JOB
+    return exc.value
+
+
+# --- input ---------------------------------------------------------------------------------------
+
+
+def test_chat_line_maps_every_supported_field():
+    job = job_from_openai_batch_line(
+        chat(max_tokens=32, temperature=0.7, top_p=0.9, stop="END", seed=7, presence_penalty=0.5,
+             frequency_penalty=-0.5, logprobs=True, top_logprobs=3)
+    )
+    assert job.job_id == "req-1" and job.model == "tiny-llama"
+    assert [m.model_dump() for m in job.messages] == HI
+    s = job.sampling
+    assert (s.max_tokens, s.temperature, s.top_p, s.stop, s.seed) == (32, 0.7, 0.9, ["END"], 7)
+    assert (s.presence_penalty, s.frequency_penalty, s.logprobs) == (0.5, -0.5, 3)
+    assert job.prompt is None and job.prompt_token_ids is None and job.stream is False
+
+
+def test_completions_line_maps_prompt_and_logprobs():
+    job = job_from_openai_batch_line(comp(max_tokens=16, stop=["\n", "."], logprobs=2))
+    assert job.prompt == "Once upon" and job.messages is None
+    assert job.sampling.max_tokens == 16 and job.sampling.stop == ["\n", "."] and job.sampling.logprobs == 2
+
+
+@pytest.mark.parametrize(
+    "prompt,field,value",
+    [
+        ("text", "prompt", "text"),
+        (["text"], "prompt", "text"),
+        ([1, 2, 3], "prompt_token_ids", [1, 2, 3]),
+        ([[4, 5]], "prompt_token_ids", [4, 5]),
+    ],
+)
+def test_completions_prompt_forms(prompt, field, value):
+    job = job_from_openai_batch_line(comp(prompt=prompt))
+    assert getattr(job, field) == value
+
+
+def test_bytes_and_str_lines_are_accepted():
+    raw = json.dumps(chat(max_tokens=3))
+    assert job_from_openai_batch_line(raw) == job_from_openai_batch_line(raw.encode()) == parse_input_line(raw.encode())
+
+
+def test_max_completion_tokens():
+    assert job_from_openai_batch_line(chat(max_completion_tokens=12)).sampling.max_tokens == 12
+    assert job_from_openai_batch_line(chat(max_completion_tokens=12, max_tokens=12)).sampling.max_tokens == 12
+    assert job_from_openai_batch_line(chat(max_completion_tokens=None, max_tokens=9)).sampling.max_tokens == 9
+    assert "both given with different values" in rejected(chat(max_completion_tokens=12, max_tokens=10)).message
+
+
+def test_absent_max_tokens_uses_the_tokenmill_default():
+    assert job_from_openai_batch_line(chat()).sampling.max_tokens == 256
+    assert job_from_openai_batch_line(comp()).sampling.max_tokens == 256
+
+
+def test_chat_logprobs():
+    assert job_from_openai_batch_line(chat(logprobs=True)).sampling.logprobs == 0
+    assert job_from_openai_batch_line(chat(logprobs=False)).sampling.logprobs is None
+    assert job_from_openai_batch_line(chat(logprobs=True, top_logprobs=20)).sampling.logprobs == 20
+    assert "body.top_logprobs: needs logprobs: true" in rejected(chat(top_logprobs=2)).message
+    assert "body.logprobs: must be true or false" in rejected(chat(logprobs=1)).message
+    assert "body.top_logprobs: must be <= 20" in rejected(chat(logprobs=True, top_logprobs=21)).message
+
+
+def test_nulls_mean_defaults():
+    job = job_from_openai_batch_line(chat(temperature=None, stop=None, seed=None, n=None, stream=None, model=None))
+    assert job.sampling.temperature == 1.0 and job.sampling.stop == [] and job.model is None
+
+
+def test_vllm_extensions():
+    job = job_from_openai_batch_line(
+        chat(top_k=20, min_p=0.05, repetition_penalty=1.1, min_tokens=2, stop_token_ids=[7], ignore_eos=True)
+    )
+    s = job.sampling
+    assert (s.top_k, s.min_p, s.repetition_penalty, s.min_tokens, s.stop_token_ids, s.ignore_eos) == (
+        20, 0.05, 1.1, 2, [7], True)
+
+
+def test_developer_role_and_text_parts():
+    job = job_from_openai_batch_line(
+        chat(messages=[
+            {"role": "developer", "content": "be brief"},
+            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        ])
+    )
+    assert [(m.role, m.content) for m in job.messages] == [("system", "be brief"), ("user", "a\nb")]
+
+
+def test_harmless_fields_are_ignored():
+    base = job_from_openai_batch_line(chat())
+    assert job_from_openai_batch_line(chat(user="u1", store=False, metadata={"k": "v"}, service_tier="auto")) == base
+
+
+@pytest.mark.parametrize(
+    "obj,expected",
+    [
+        (chat(n=2), "body.n: n > 1 is not supported"),
+        (chat(n=True), "body.n: must be 1"),
+        (chat(n=1.0), "body.n: must be 1"),
+        (comp(best_of=3), "body.best_of: best_of > 1 is not supported"),
+        (chat(stream=True), "body.stream: streaming is not part of a batch request"),
+        (chat(tools=[{"type": "function"}]), "body.tools: tool and function calling are not supported"),
+        (chat(response_format={"type": "json_object"}), 'body.response_format: only {"type": "text"}'),
+        (chat(logit_bias={"50256": -100}), "body.logit_bias: logit_bias is not supported"),
+        (comp(echo=True), "body.echo: echo is not supported"),
+        (comp(suffix="end"), "body.suffix: suffix (insertion) is not supported"),
+        (chat(frobnicate=1), "body.frobnicate: not supported"),
+        (chat(prompt="x"), f"body.prompt: not a field of {CHAT}"),
+        (comp(messages=HI), f"body.messages: not a field of {COMP}"),
+        (comp(top_logprobs=2), f"body.top_logprobs: not a field of {COMP}"),
+        (line({"model": "m"}), "body.messages: required"),
+        (line({"model": "m"}, url=COMP), "body.prompt: required"),
+        (comp(prompt=None), "body.prompt: must not be null"),
+        (comp(prompt=["a", "b"]), "body.prompt: holds 2 prompts"),
+        (comp(prompt=""), "body.prompt: must not be empty"),
+        (comp(prompt=[]), "body.prompt: must not be empty"),
+        (comp(prompt=[1, -2]), "body.prompt[1]: must be >= 0"),
+        (chat(messages=[{"role": "tool", "content": "x", "tool_call_id": "t"}]), "body.messages[0].role: must be one of"),
+        (chat(messages=[{"role": "user", "content": "x", "name": "bob"}]), "body.messages[0].name: unknown field"),
+        (chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
+         "body.messages[0].content[0]: only text parts are supported"),
+        (chat(max_tokens=0), "body.max_tokens: must be >= 1"),
+        (chat(max_completion_tokens="10"), "body.max_completion_tokens: must be an integer"),
+        (chat(temperature=-1), "body.temperature: must be >= 0"),
+        (chat(stop=[""]), "body.stop[0]: must not be empty"),
+        (chat(seed=1.5), "body.seed: must be an integer"),
+        (chat(model=""), "body.model: must not be empty"),
+        (line({"messages": HI}, method="GET"), "method: must be 'POST'"),
+        (line({"input": "x"}, url="/v1/embeddings"), "url: must be one of /v1/chat/completions, /v1/completions"),
+        (line({"messages": HI}, extra_field=1), "extra_field: unknown field"),
+        ({"custom_id": "req-1", "method": "POST", "url": CHAT, "body": "x"}, "body: must be an object"),
+        ({"custom_id": "req-1", "body": {"messages": HI}}, "method: required; url: required"),
+    ],
+)
+def test_rejected_lines_name_the_openai_field(obj, expected):
+    err = rejected(obj)
+    assert expected in err.message, err.message
+    assert err.job_id == "req-1"
+
+
+def test_bad_custom_id():
+    err = rejected({**chat(), "custom_id": ""})
+    assert "custom_id: must not be empty" in err.message and err.job_id is None
+    err = rejected({k: v for k, v in chat().items() if k != "custom_id"})
+    assert "custom_id: required" in err.message and err.job_id is None
+
+
+# --- output --------------------------------------------------------------------------------------
+
+
+def result(**patch) -> Result:
+    base = {
+        "job_id": "req-1", "status": "ok", "text": "Bonjour", "token_ids": [5, 6], "finish_reason": "length",
+        "model": "tiny-llama", "worker": "w1", "attempt": "w1-abc",
+        "usage": {"prompt_tokens": 9, "completion_tokens": 2, "cached_prompt_tokens": 4},
+        "timing": {"queue_ms": 1.0, "ttft_ms": 2.0, "decode_ms": 3.0, "total_ms": 5.0},
+    }
+    return Result.model_validate({**base, **patch})
+
+
+LOGPROBS = [
+    {"token_id": 5, "token": "Bon", "logprob": -0.5,
+     "top_logprobs": [{"token_id": 5, "token": "Bon", "logprob": -0.5}, {"token_id": 9, "token": "Sa", "logprob": None}]},
+    {"token_id": 6, "token": "jour", "logprob": -0.25, "top_logprobs": []},
+]
+
+
+def test_chat_output_line():
+    out = openai_batch_output_line(result(), CHAT_COMPLETIONS_URL, created=1_700_000_000)
+    json.dumps(out)  # one JSON line
+    assert out["custom_id"] == "req-1" and out["id"].startswith("batch_req_") and out["error"] is None
+    resp = out["response"]
+    assert resp["status_code"] == 200 and resp["request_id"].startswith("req_")
+    body = resp["body"]
+    assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
+    assert body["created"] == 1_700_000_000 and body["model"] == "tiny-llama"
+    assert body["choices"] == [{
+        "index": 0, "message": {"role": "assistant", "content": "Bonjour", "refusal": None},
+        "logprobs": None, "finish_reason": "length",
+    }]
+    assert body["usage"] == {"prompt_tokens": 9, "completion_tokens": 2, "total_tokens": 11,
+                             "prompt_tokens_details": {"cached_tokens": 4}}
+
+
+def test_completions_output_line():
+    out = openai_batch_output_line(result(finish_reason="stop"), COMPLETIONS_URL, created=1)
+    body = out["response"]["body"]
+    assert body["object"] == "text_completion" and body["id"].startswith("cmpl-")
+    assert body["choices"] == [{"text": "Bonjour", "index": 0, "logprobs": None, "finish_reason": "stop"}]
+
+
+def test_output_logprobs_in_both_shapes():
+    r = result(logprobs=LOGPROBS)
+    chat_lp = openai_batch_output_line(r, CHAT, created=1)["response"]["body"]["choices"][0]["logprobs"]
+    assert chat_lp["content"][0] == {
+        "token": "Bon", "logprob": -0.5, "bytes": [66, 111, 110],
+        "top_logprobs": [{"token": "Bon", "logprob": -0.5, "bytes": [66, 111, 110]},
+                         {"token": "Sa", "logprob": -9999.0, "bytes": [83, 97]}],
+    }
+    assert chat_lp["content"][1]["top_logprobs"] == [] and chat_lp["refusal"] is None
+    comp_lp = openai_batch_output_line(r, COMP, created=1)["response"]["body"]["choices"][0]["logprobs"]
+    assert comp_lp == {
+        "tokens": ["Bon", "jour"], "token_logprobs": [-0.5, -0.25],
+        "top_logprobs": [{"Bon": -0.5, "Sa": -9999.0}, {}], "text_offset": [0, 3],
+    }
+
+
+@pytest.mark.parametrize("code,status,kind", [
+    ("invalid_job", 400, "invalid_request_error"), ("prompt_too_long", 400, "invalid_request_error"),
+    ("model_mismatch", 400, "invalid_request_error"), ("internal", 500, "server_error"),
+])
+def test_error_output_line(code, status, kind):
+    r = result(status="error", text="", token_ids=[], finish_reason=None, error={"code": code, "message": "why"})
+    out = openai_batch_output_line(r, None)
+    assert out["error"] is None
+    assert out["response"]["status_code"] == status
+    assert out["response"]["body"] == {"error": {"message": "why", "type": kind, "param": None, "code": code}}
+
+
+def test_expired_output_line():
+    out = openai_batch_output_line(result(status="expired", text="", token_ids=[], finish_reason=None), CHAT)
+    assert out["response"] is None and out["error"]["code"] == "batch_expired"
+
+
+def test_output_ids_are_stable_per_attempt():
+    a = openai_batch_output_line(result(), CHAT, created=1)
+    assert a == openai_batch_output_line(result(), CHAT, created=1)
+    assert a["id"] != openai_batch_output_line(result(attempt="w1-other"), CHAT, created=1)["id"]
+
+
+def test_ok_output_needs_a_known_url():
+    with pytest.raises(ValueError, match="url must be one of"):
+        openai_batch_output_line(result(), "/v1/embeddings")
