@@ -42,6 +42,7 @@ class JobSpec:
                 raise ValueError(f"--prompt-template: {exc}") from None
             if not fields:
                 raise ValueError("--prompt-template names no column (use {column} fields)")
+        normalized_sampling(self.sampling)
 
     @property
     def uses_messages(self) -> bool:
@@ -57,7 +58,7 @@ class JobSpec:
                 "messages_column": self.messages_column,
                 "system_prompt": self.system_prompt,
                 "model": model_identity if model_identity is not None else self.model,
-                "sampling": self.sampling,
+                "sampling": normalized_sampling(self.sampling),
                 "tenant": self.tenant,
             }
         )
@@ -98,6 +99,19 @@ class JobSpec:
             metadata[col] = _column(row, col)
         job["metadata"] = metadata
         return job
+
+
+def normalized_sampling(sampling: dict[str, Any]) -> dict[str, Any]:
+    """The sampling block with every default filled in and numbers in one form, so `0` and `0.0`
+    (or an explicit default) fingerprint alike; invalid settings fail here, before any row."""
+    from pydantic import ValidationError
+
+    from schemas import Sampling, format_validation_error
+
+    try:
+        return Sampling.model_validate(sampling).model_dump(mode="json")
+    except ValidationError as exc:
+        raise ValueError(f"sampling: {format_validation_error(exc)}") from None
 
 
 class _Row(dict):

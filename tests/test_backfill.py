@@ -1,0 +1,209 @@
+"""tokenmill backfill with the in-process engine (no Kafka): ids, resume, reruns, formats, S3."""
+
+import csv
+import gzip
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import boto3
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from tools.backfill import BackfillConfig, JobSpec, run_backfill_sync
+from tools.backfill.datasets import DatasetError, count_rows, detect_format, iter_rows
+from tools.backfill.identity import fingerprint, job_id_for
+from tools.backfill.jobs import RowError
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _rows(n):
+    return [{"id": f"q{i:03d}", "text": f"question {i} about kafka", "n": i} for i in range(n)]
+
+
+def _write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _read_jsonl(path):
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+def _cfg(tmp_path, model_dir, inp, out, **kw):
+    spec = kw.pop("spec", None) or JobSpec(prompt_template="Answer: {text}", sampling={"max_tokens": 3, "temperature": 0})
+    return BackfillConfig(input=str(inp), output=str(out), spec=spec, engine="local", model_path=str(model_dir),
+                          key_column="id", progress=False, **kw)
+
+
+def test_job_ids_are_stable_and_change_with_what_decides_the_output():
+    row = {"text": "hello", "n": 1}
+    a = job_id_for("ds", 7, fingerprint(row), "cfg")
+    assert a == job_id_for("ds", 7, fingerprint(dict(reversed(list(row.items())))), "cfg")
+    assert a.startswith("bf-") and "-000000007-" in a and len(a) <= 256
+    assert a != job_id_for("ds", 8, fingerprint(row), "cfg")
+    assert a != job_id_for("ds", 7, fingerprint({"text": "hello!", "n": 1}), "cfg")
+    assert a != job_id_for("ds", 7, fingerprint(row), "cfg2")
+    assert a != job_id_for("other", 7, fingerprint(row), "cfg")
+    base = JobSpec(prompt_template="Q: {text}", model="m", sampling={"max_tokens": 3})
+    for changed in (
+        JobSpec(prompt_template="Q2: {text}", model="m", sampling={"max_tokens": 3}),
+        JobSpec(prompt_template="Q: {text}", model="m2", sampling={"max_tokens": 3}),
+        JobSpec(prompt_template="Q: {text}", model="m", sampling={"max_tokens": 4}),
+        JobSpec(prompt_column="text", model="m", sampling={"max_tokens": 3}),
+    ):
+        assert changed.fingerprint() != base.fingerprint()
+    assert base.fingerprint() == JobSpec(prompt_template="Q: {text}", model="m", sampling={"max_tokens": 3}).fingerprint()
+    # Same meaning, same fingerprint: 0 and 0.0, an explicit default.
+    assert JobSpec(prompt_column="t", sampling={"temperature": 0}).fingerprint() == JobSpec(
+        prompt_column="t", sampling={"temperature": 0.0, "top_p": 1.0}).fingerprint()
+    with pytest.raises(ValueError, match="max_tokens"):
+        JobSpec(prompt_column="t", sampling={"max_tokens": 0})
+
+
+def test_row_to_job_mappings():
+    assert JobSpec(prompt_template="Q: {text}").job_dict("j", 0, {"text": "hi"})["prompt"] == "Q: hi"
+    chat = JobSpec(prompt_column="text", system_prompt="Be brief.").job_dict("j", 0, {"text": "hi"})
+    assert chat["messages"] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    msgs = JobSpec(messages_column="m").job_dict("j", 2, {"m": json.dumps([{"role": "user", "content": "x"}])})
+    assert msgs["messages"] == [{"role": "user", "content": "x"}] and msgs["metadata"] == {"row": 2}
+    with pytest.raises(RowError, match="column 'text'"):
+        JobSpec(prompt_template="Q: {text}").job_dict("j", 0, {"other": 1})
+    with pytest.raises(RowError, match="list of"):
+        JobSpec(messages_column="m").job_dict("j", 0, {"m": "not json"})
+    with pytest.raises(ValueError, match="exactly one"):
+        JobSpec(prompt_template="{a}", prompt_column="a")
+    with pytest.raises(ValueError, match="names no column"):
+        JobSpec(prompt_template="no fields")
+
+
+def test_dataset_readers_stream_the_same_rows(tmp_path):
+    rows = [{"id": "a", "text": "x, \"quoted\"\nnewline"}, {"id": "b", "text": "y"}]
+    _write_jsonl(tmp_path / "d.jsonl", rows)
+    with gzip.open(tmp_path / "d.jsonl.gz", "wt") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in rows))
+    with open(tmp_path / "d.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, ["id", "text"])
+        w.writeheader()
+        w.writerows(rows)
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
+    for name in ("d.jsonl", "d.jsonl.gz", "d.csv", "d.parquet"):
+        fmt = detect_format(name)
+        assert list(iter_rows(tmp_path / name, fmt)) == rows, name
+        assert count_rows(tmp_path / name, fmt) == 2
+    (tmp_path / "bad.jsonl").write_text('{"a": 1}\nnot json\n')
+    with pytest.raises(DatasetError, match="line 2"):
+        list(iter_rows(tmp_path / "bad.jsonl", "jsonl"))
+    with pytest.raises(DatasetError, match="format"):
+        detect_format("data.txt")
+
+
+def test_local_backfill_reruns_template_change_and_retry(tmp_path, tiny_llama_dir):
+    rows = _rows(12)
+    rows.append({"id": "q-long", "text": "kafka " * 3000, "n": 12})  # longer than the model allows
+    rows.append({"id": "q-bad", "n": 13})  # no text column: an invalid row, still one output row
+    inp = _write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out.jsonl"
+
+    first = run_backfill_sync(_cfg(tmp_path, tiny_llama_dir, inp, out))
+    assert (first.rows, first.ok, first.error, first.submitted, first.invalid_rows) == (14, 12, 2, 13, 1)
+    got = _read_jsonl(out)
+    assert [r["row"] for r in got] == list(range(14))
+    assert [r["key"] for r in got] == [r["id"] for r in rows]
+    assert all(r["status"] == "ok" and r["usage"]["completion_tokens"] == 3 for r in got[:12])
+    assert got[12]["error_code"] == "prompt_too_long" and got[13]["error_code"] == "invalid_job"
+    assert "text" in got[13]["error_message"]
+    assert all(r["latency_ms"] is not None for r in got[:13])
+
+    # Nothing changed: no job at all, same output.
+    again = run_backfill_sync(_cfg(tmp_path, tiny_llama_dir, inp, out))
+    assert again.submitted == 0 and again.new_results == 0
+    assert [(r["job_id"], r["text"]) for r in _read_jsonl(out)] == [(r["job_id"], r["text"]) for r in got]
+
+    # --retry-failed resubmits exactly the failed rows (and they fail again, honestly).
+    retry = run_backfill_sync(_cfg(tmp_path, tiny_llama_dir, inp, out, retry_failed=True))
+    assert (retry.submitted, retry.invalid_rows, retry.error) == (1, 1, 2)
+
+    # A changed template: new job ids and new results for every row.
+    spec = JobSpec(prompt_template="Please answer: {text}", sampling={"max_tokens": 3, "temperature": 0})
+    changed = run_backfill_sync(_cfg(tmp_path, tiny_llama_dir, inp, out, spec=spec))
+    assert changed.submitted == 13 and changed.new_results == 14
+    new = _read_jsonl(out)
+    assert len(new) == 14
+    assert not {r["job_id"] for r in new} & {r["job_id"] for r in got}
+    assert all(r["usage"]["prompt_tokens"] > o["usage"]["prompt_tokens"] for r, o in zip(new[:12], got[:12]))
+
+
+def test_local_backfill_openai_output(tmp_path, tiny_llama_dir):
+    inp = _write_jsonl(tmp_path / "in.jsonl", _rows(3))
+    out = tmp_path / "out.jsonl"
+    spec = JobSpec(prompt_column="text", system_prompt="Be brief.", sampling={"max_tokens": 2, "temperature": 0})
+    run_backfill_sync(_cfg(tmp_path, tiny_llama_dir, inp, out, spec=spec, output_format="openai"))
+    lines = _read_jsonl(out)
+    assert len(lines) == 3
+    for line in lines:
+        assert line["custom_id"].startswith("bf-") and line["error"] is None
+        assert line["response"]["status_code"] == 200
+        body = line["response"]["body"]
+        assert body["object"] == "chat.completion" and body["usage"]["completion_tokens"] == 2
+        assert isinstance(body["choices"][0]["message"]["content"], str)
+
+
+def _results_in_state(state: Path) -> int:
+    try:
+        with sqlite3.connect(f"file:{state}?mode=ro", uri=True, timeout=1) as db:
+            return db.execute("SELECT COUNT(*) FROM results").fetchone()[0]
+    except sqlite3.Error:
+        return 0
+
+
+def test_s3_parquet_backfill_killed_halfway_then_resumed(tmp_path, tiny_llama_dir, s3_bucket):
+    """Done-when: 300-row Parquet on S3 -> Parquet on S3, 300 rows in input order; a run killed
+    halfway and resumed leaves no row missing and no row twice."""
+    rows = _rows(300)
+    local_in = tmp_path / "in.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), local_in, row_group_size=64)
+    s3 = boto3.client("s3")
+    s3.upload_file(str(local_in), s3_bucket, "datasets/questions.parquet")
+    inp, out = f"s3://{s3_bucket}/datasets/questions.parquet", f"s3://{s3_bucket}/outputs/answers.parquet"
+    state = tmp_path / "state.sqlite"
+    cmd = [
+        sys.executable, "-m", "worker.cli", "backfill", "--engine", "local", "--model", str(tiny_llama_dir),
+        "--input", inp, "--output", out, "--state", str(state), "--prompt-template", "Answer: {text}",
+        "--key-column", "id", "--max-tokens", "6", "--temperature", "0", "--max-in-flight", "4", "--no-progress",
+    ]
+    proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.time() + 240
+    while _results_in_state(state) < 60 and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    output = proc.communicate()[0].decode()
+    assert proc.returncode == -signal.SIGKILL, output
+    done_before = _results_in_state(state)
+    assert 0 < done_before < 300, done_before
+    with pytest.raises(s3.exceptions.ClientError):
+        s3.head_object(Bucket=s3_bucket, Key="outputs/answers.parquet")  # nothing half-written
+
+    resumed = run_backfill_sync(BackfillConfig(
+        input=inp, output=out, state=str(state), engine="local", model_path=str(tiny_llama_dir), key_column="id",
+        spec=JobSpec(prompt_template="Answer: {text}", sampling={"max_tokens": 6, "temperature": 0}), progress=False,
+    ))
+    assert resumed.submitted == 300 - done_before
+    assert (resumed.rows, resumed.ok) == (300, 300)
+
+    s3.download_file(s3_bucket, "outputs/answers.parquet", str(tmp_path / "answers.parquet"))
+    table = pq.read_table(tmp_path / "answers.parquet")
+    assert table.num_rows == 300
+    assert table.column("row").to_pylist() == list(range(300))
+    assert table.column("key").to_pylist() == [r["id"] for r in rows]
+    assert len(set(table.column("job_id").to_pylist())) == 300
+    assert set(table.column("status").to_pylist()) == {"ok"}
+    assert [u["completion_tokens"] for u in table.column("usage").to_pylist()] == [6] * 300
