@@ -57,7 +57,13 @@ class Sizes:
     throughput_len_range: tuple[int, int]
     max_num_seqs: int
     max_num_batched_tokens: int
-    mixed_workload_scale: float  # fraction of the bench's `mixed` request count (1.0 on a GPU)
+    kv_cache_gb: float | None
+    # `mixed` (engine issue): requests, prompt and output length ranges; transformers baseline batches
+    mixed_requests: int = 256
+    mixed_prompt_range: tuple[int, int] = (16, 512)
+    mixed_output_range: tuple[int, int] = (16, 256)
+    baseline_batches: tuple[int, ...] = (8, 32, 64)
+    baseline_probe: int = 64
 
 
 LLAMA_1B = dict(  # Llama-3.2-1B shape
@@ -95,7 +101,7 @@ def gpu_sizes() -> Sizes:
         throughput_len_range=(100, 1024),
         max_num_seqs=256,
         max_num_batched_tokens=8192,
-        mixed_workload_scale=1.0,
+        kv_cache_gb=32.0,
     )
 
 
@@ -112,12 +118,17 @@ def dry_sizes() -> Sizes:
         model_dtype="float32",
         decode_batches=(2, 4),
         decode_context=12,
-        bench_iters=2,
+        bench_iters=1,
         throughput_seqs=4,
-        throughput_len_range=(4, 12),
+        throughput_len_range=(4, 8),
         max_num_seqs=8,
         max_num_batched_tokens=256,
-        mixed_workload_scale=0.02,
+        kv_cache_gb=0.05,
+        mixed_requests=4,
+        mixed_prompt_range=(4, 20),
+        mixed_output_range=(2, 4),
+        baseline_batches=(2, 4),
+        baseline_probe=4,
     )
 
 
@@ -161,7 +172,7 @@ def synchronize(device) -> None:
 
 def time_ms(fn: Callable[[], Any], device, iters: int, warmup: int = 2) -> float:
     """Median wall time of fn in ms (synchronised, so it is GPU time on CUDA)."""
-    for _ in range(warmup):
+    for _ in range(min(warmup, iters)):
         fn()
     synchronize(device)
     samples = []
@@ -183,9 +194,21 @@ def run_section(name: str, fn: Callable[[Context], dict], ctx: Context) -> dict:
     except Exception as exc:  # report and go on: the other sections' numbers still count
         result = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
     result["seconds"] = round(time.perf_counter() - t0, 2)
+    _release_memory(ctx.device)
     print(f"[gpu_check] {name}: {'ok' if result['ok'] else 'FAILED ' + result['error']} ({result['seconds']} s)",
           flush=True)
     return result
+
+
+def _release_memory(device) -> None:
+    """Drop what a finished section left behind, so the next one gets the GPU's memory."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def build_checkpoint(shape: dict, dtype_name: str, device, out_dir: Path) -> Path:
@@ -389,21 +412,13 @@ def roofline_ceiling(prompt_lens: list[int], output_lens: list[int], weight_byte
     return dict(steps=steps, bytes=total_bytes, seconds=seconds, tokens_per_s=sum(output_lens) / seconds)
 
 
-def _engine_module():
-    """E-core's engine; a section that needs it fails with this message until it exists."""
-    try:
-        from worker.engine import engine as engine_module
-    except ImportError as exc:
-        raise RuntimeError(f"worker.engine.engine is not available: {exc}") from exc
-    return engine_module
-
-
 def make_engine(ctx: Context, model_dir: Path):
     from worker.engine.engine import Engine, EngineConfig
 
     config = EngineConfig(
         model=str(model_dir), device=str(ctx.device), dtype=ctx.sizes.model_dtype, attention_backend="triton",
         max_num_seqs=ctx.sizes.max_num_seqs, max_num_batched_tokens=ctx.sizes.max_num_batched_tokens,
+        kv_cache_gb=ctx.sizes.kv_cache_gb,
     )
     return Engine(config)
 
@@ -411,7 +426,6 @@ def make_engine(ctx: Context, model_dir: Path):
 def section_throughput(ctx: Context) -> dict:
     import torch
 
-    _engine_module()
     from worker.engine.types import EngineRequest, SamplingParams
 
     copy_bw = ctx.copy_bandwidth()
@@ -464,13 +478,87 @@ def _llama_param_count(shape: dict) -> int:
     return layers * per_layer + emb + h
 
 
+def mixed_workload(ctx: Context) -> tuple[list[list[int]], list[int]]:
+    """The engine issue's `mixed` workload (prompt 16-512, output 16-256 tokens; fixed seed), scaled."""
+    rng = random.Random(1234)
+    n = ctx.sizes.mixed_requests
+    (plo, phi), (olo, ohi) = ctx.sizes.mixed_prompt_range, ctx.sizes.mixed_output_range
+    vocab = ctx.sizes.model_shape["vocab_size"]
+    prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(plo, phi))] for _ in range(n)]
+    outputs = [rng.randint(olo, ohi) for _ in range(n)]
+    return prompts, outputs
+
+
+def hf_static_batch_seconds(model, prompts: list[list[int]], outputs: list[int], batch: int, pad_id: int, device) -> float:
+    """transformers `generate`, static batches in arrival order, left padding, EOS off."""
+    import torch
+
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        for i in range(0, len(prompts), batch):
+            chunk, want = prompts[i : i + batch], outputs[i : i + batch]
+            width = max(map(len, chunk))
+            ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
+            mask = torch.zeros((len(chunk), width), dtype=torch.long)
+            for row, p in enumerate(chunk):
+                ids[row, width - len(p) :] = torch.tensor(p)
+                mask[row, width - len(p) :] = 1
+            model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=max(want),
+                           do_sample=False, eos_token_id=None, pad_token_id=pad_id)
+    synchronize(device)
+    return time.perf_counter() - t0
+
+
 def section_mixed(ctx: Context) -> dict:
-    _engine_module()
-    try:
-        from tools import bench
-    except ImportError as exc:
-        raise RuntimeError(f"tools/bench.py is not available: {exc}") from exc
-    return bench.run_gpu_check_mixed(ctx.device, ctx.sizes.model_dtype, ctx.sizes.mixed_workload_scale)
+    """Engine vs transformers `generate` on the same GPU, same weights, requested output tokens/s.
+
+    The baseline's batch is the best of ctx.sizes.baseline_batches, picked on the first
+    `baseline_probe` requests (trying every size on all of them would not fit the time budget).
+    """
+    import gc
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from worker.engine.types import EngineRequest, SamplingParams
+
+    prompts, outputs = mixed_workload(ctx)
+    wanted = sum(outputs)
+    engine = make_engine(ctx, ctx.model_dir())
+    engine.generate([EngineRequest(request_id="warmup", prompt_token_ids=prompts[0][:16],
+                                   sampling=SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))])
+    requests = [EngineRequest(request_id=f"m{i}", prompt_token_ids=p,
+                              sampling=SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True))
+                for i, (p, o) in enumerate(zip(prompts, outputs))]
+    synchronize(ctx.device)
+    t0 = time.perf_counter()
+    results = engine.generate(requests)
+    synchronize(ctx.device)
+    engine_s = time.perf_counter() - t0
+    produced = sum(len(d.output_token_ids or []) for d in results.values())
+    if produced != wanted:
+        raise RuntimeError(f"engine produced {produced} tokens, expected {wanted} (ignore_eos)")
+    del engine, results
+    gc.collect()
+    if ctx.device.type == "cuda":
+        torch.cuda.empty_cache()
+
+    model = AutoModelForCausalLM.from_pretrained(ctx.model_dir(), dtype=dtype_of(ctx.sizes.model_dtype))
+    model = model.to(ctx.device).eval()
+    pad_id = model.config.pad_token_id or 0
+    probe = ctx.sizes.baseline_probe
+    hf_static_batch_seconds(model, prompts[:2], [2, 2], 2, pad_id, ctx.device)  # warm-up
+    probe_tok_s = {b: sum(outputs[:probe]) / hf_static_batch_seconds(model, prompts[:probe], outputs[:probe], b,
+                                                                        pad_id, ctx.device)
+                   for b in ctx.sizes.baseline_batches}
+    best = max(probe_tok_s, key=probe_tok_s.get)
+    baseline_s = hf_static_batch_seconds(model, prompts, outputs, best, pad_id, ctx.device)
+    del model
+    engine_tok_s, baseline_tok_s = wanted / engine_s, wanted / baseline_s
+    return dict(requests=len(prompts), prompt_tokens=sum(map(len, prompts)), output_tokens=wanted,
+                engine_seconds=engine_s, engine_output_tok_s=engine_tok_s, baseline_batch=best,
+                baseline_probe_tok_s=probe_tok_s, baseline_seconds=baseline_s, baseline_output_tok_s=baseline_tok_s,
+                ratio=engine_tok_s / baseline_tok_s)
 
 
 SECTIONS: list[tuple[str, Callable[[Context], dict]]] = [
@@ -546,7 +634,8 @@ def _headline(name: str, res: dict) -> str:
         return (f"{_fmt(res['output_tok_s'])} output tok/s, {_fmt(res['fraction_of_ceiling'])} of ceiling "
                 f"{_fmt(res['ceiling_tok_s'])} tok/s")
     if name == "mixed":
-        return f"ratio {_fmt(res.get('ratio'))} vs transformers"
+        return (f"engine {_fmt(res['engine_output_tok_s'])} tok/s vs transformers {_fmt(res['baseline_output_tok_s'])} "
+                f"(batch {res['baseline_batch']}): ratio {_fmt(res['ratio'])}")
     if name == "environment":
         return str(res.get("gpu", res.get("device")))
     return ""
@@ -561,6 +650,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="folder for gpu_check.json and gpu_check.md (default: $OUT or ./gpu_check_out)")
     parser.add_argument("--dry-run", action="store_true", help="same code path on the CPU at toy sizes")
     parser.add_argument("--only", nargs="+", choices=[name for name, _ in SECTIONS], help="run only these sections")
+    parser.add_argument("--budget-s", type=float, default=450.0,
+                        help="sections not started within this many seconds are reported as skipped (default 450)")
     return parser.parse_args(argv)
 
 
@@ -569,6 +660,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         # The interpreter must be on before any kernel module defines its @triton.jit functions.
         os.environ["TRITON_INTERPRET"] = "1"
+    for var, value in (("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1"), ("HF_HUB_DISABLE_PROGRESS_BARS", "1"),
+                       ("TRANSFORMERS_VERBOSITY", "error"), ("TOKENIZERS_PARALLELISM", "false")):
+        os.environ.setdefault(var, value)
     import torch
 
     if args.dry_run:
@@ -590,6 +684,10 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             if name == "copy_bandwidth" and name in ctx.results:
                 continue  # measured already on demand
+            if time.perf_counter() - t0 > args.budget_s:
+                ctx.results[name] = {"ok": False, "skipped": True, "seconds": 0.0,
+                                     "error": f"not started: the {args.budget_s:.0f} s budget was spent"}
+                continue
             ctx.results[name] = run_section(name, fn, ctx)
     order = [name for name, _ in SECTIONS if name in ctx.results]
     report = dict(
