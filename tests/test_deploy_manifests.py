@@ -165,3 +165,17 @@ def test_dockerfile_cuda_runtime_non_root_cache_volume():
 @pytest.mark.parametrize("name", ["configmap.yaml", "deployment.yaml", "pdb.yaml", "keda-scaledobject.yaml", "topics.yaml"])
 def test_expected_manifest_files_exist(name):
     assert (K8S / name).is_file()
+
+
+def test_every_tokenmill_setting_is_a_worker_flag():
+    """A typo in a TOKENMILL_* name would be silently ignored by the worker: check each one."""
+    from worker.cli import build_parser, env_var_for
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
+    worker = sub.choices["worker"]
+    known = {env_var_for(s) for a in worker._actions for s in a.option_strings if s.startswith("--")}
+    container = _one("Deployment")["spec"]["template"]["spec"]["containers"][0]
+    names = set(_one("ConfigMap")["data"]) | {e["name"] for e in container["env"]}
+    used = {n for n in names if n.startswith("TOKENMILL_")}
+    assert used and used <= known, sorted(used - known)
