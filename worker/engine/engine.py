@@ -287,7 +287,8 @@ class Engine:
             model_s = self.runner.last_forward_s
             if logits is not None:
                 t0 = time.perf_counter()
-                sampled = self.sampler(logits, [r.sampling_inputs for r in step_in.sample_requests])
+                with torch.inference_mode():  # logits are inference tensors; the sampler edits them
+                    sampled = self.sampler(logits, [r.sampling_inputs for r in step_in.sample_requests])
                 model_s += time.perf_counter() - t0
                 self._process_samples(step_in.sample_requests, sampled, time.time(), deltas)
             self._stats.steps += 1

@@ -1,0 +1,161 @@
+"""Engine API behaviour: seeds, deltas, errors, aborts, deadlines, priorities, tenants, stop rules."""
+
+import time
+
+import pytest
+
+from worker.engine import Engine, EngineConfig
+from worker.engine.types import EngineRequest, FinishReason, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_qwen2_dir):
+    return Engine(EngineConfig(model=str(tiny_qwen2_dir), dtype="float32", kv_cache_gb=0.01, max_model_len=256))
+
+
+def req(rid, prompt_ids=None, **sampling):
+    sampling.setdefault("max_tokens", 8)
+    return EngineRequest(
+        request_id=rid,
+        prompt_token_ids=prompt_ids or [5, 7, 9, 11, 13],
+        sampling=SamplingParams(**sampling),
+    )
+
+
+def run_all(engine):
+    deltas = []
+    while engine.has_work():
+        deltas.extend(engine.step())
+    return deltas
+
+
+def test_seeded_request_is_the_same_alone_and_in_a_batch_of_32(engine):
+    prompt = list(range(100, 140))
+    seeded = dict(temperature=0.9, top_p=0.95, seed=1234, max_tokens=16, ignore_eos=True)
+    alone = engine.generate([req("alone", prompt, **seeded)])["alone"].output_token_ids
+    batch = [req("in-batch", prompt, **seeded)]
+    for i in range(31):
+        other = dict(temperature=1.0, max_tokens=5 + i % 13, ignore_eos=True)
+        if i % 3 == 0:
+            other["seed"] = i
+        batch.append(req(f"other{i}", [3 + i] * (1 + 3 * i), **other))
+    got = engine.generate(batch)
+    assert len(got) == 32
+    assert got["in-batch"].output_token_ids == alone
+    assert len(alone) == 16
+    # A different seed gives a different sequence (the seed is actually used).
+    other_seed = engine.generate([req("s2", prompt, **{**seeded, "seed": 99})])["s2"].output_token_ids
+    assert other_seed != alone
+
+
+def test_deltas_concatenate_to_the_final_output(engine):
+    engine.add(req("d1", max_tokens=10, temperature=0.0, ignore_eos=True))
+    deltas = [d for d in run_all(engine) if d.request_id == "d1"]
+    final = deltas[-1]
+    assert final.finished and not any(d.finished for d in deltas[:-1])
+    assert sum((d.new_token_ids for d in deltas), []) == final.output_token_ids
+    assert "".join(d.text_delta for d in deltas) == final.output_text
+    assert final.usage.prompt_tokens == 5 and final.usage.completion_tokens == 10
+    t = final.timing
+    assert t.total_ms >= t.ttft_ms >= t.queue_ms >= 0 and t.decode_ms >= 0
+
+
+def test_duplicate_ids_and_bad_prompts_raise(engine):
+    engine.add(req("dup"))
+    with pytest.raises(ValueError, match="duplicate"):
+        engine.add(req("dup"))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.add(req("oob", [1, 2, 10**9]))
+    engine.abort("dup")
+    run_all(engine)
+
+
+def test_prompt_too_long_finishes_with_error_at_next_step(engine):
+    engine.add(req("long", list(range(3, 300))))
+    deltas = engine.step()
+    (d,) = [d for d in deltas if d.request_id == "long"]
+    assert d.finished and d.finish_reason is FinishReason.ERROR
+    assert d.error.startswith("prompt_too_long:")
+    assert engine.count_prompt_tokens(req("x", list(range(3, 300)))) == 297
+
+
+def test_abort_finishes_running_request_and_frees_blocks(engine):
+    engine.add(req("ab", max_tokens=100, ignore_eos=True))
+    engine.step()
+    engine.abort("ab")
+    deltas = engine.step()
+    (d,) = [d for d in deltas if d.request_id == "ab"]
+    assert d.finish_reason is FinishReason.ABORTED and d.finished
+    run_all(engine)
+    assert engine.block_manager.num_used_blocks == 0
+
+
+def test_deadline_passed_before_start_expires(engine):
+    r = req("late")
+    r.deadline_ms = time.time() * 1000 - 1
+    engine.add(r)
+    (d,) = [d for d in run_all(engine) if d.request_id == "late"]
+    assert d.finish_reason is FinishReason.EXPIRED and d.output_token_ids == []
+
+
+def test_stop_token_ids_and_min_tokens(engine):
+    base = engine.generate([req("probe", max_tokens=12, temperature=0.0, ignore_eos=True)])["probe"]
+    stop_tok = base.output_token_ids[3]
+    first = base.output_token_ids.index(stop_tok)
+    got = engine.generate([req("st", max_tokens=12, temperature=0.0, ignore_eos=True, stop_token_ids=[stop_tok])])["st"]
+    assert got.finish_reason is FinishReason.STOP
+    assert got.output_token_ids == base.output_token_ids[: first + 1]
+    # With min_tokens past that point the stop token cannot end the request early.
+    late = engine.generate([req("st2", max_tokens=12, temperature=0.0, ignore_eos=True, stop_token_ids=[stop_tok],
+                                min_tokens=first + 3)])["st2"]
+    assert len(late.output_token_ids) >= first + 3
+    assert stop_tok not in late.output_token_ids[: first + 2]
+
+
+def test_stop_string_cuts_text(engine):
+    base = engine.generate([req("probe2", max_tokens=12, temperature=0.0, ignore_eos=True)])["probe2"]
+    text = base.output_text
+    assert len(text) > 4
+    stop = text[2:4]
+    got = engine.generate([req("ss", max_tokens=12, temperature=0.0, ignore_eos=True, stop=[stop])])["ss"]
+    assert got.finish_reason is FinishReason.STOP
+    assert got.output_text == text[: text.index(stop)]
+
+
+def test_logprobs_are_reported_per_token(engine):
+    got = engine.generate([req("lp", max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=2)])
+    deltas_lp = got["lp"].logprobs
+    assert deltas_lp is not None and len(deltas_lp) == 1
+    top = deltas_lp[0].top_logprobs
+    assert len(top) == 2 and deltas_lp[0].logprob <= 0
+
+
+def test_priority_runs_first_when_capacity_is_short(tiny_qwen2_dir):
+    eng = Engine(EngineConfig(model=str(tiny_qwen2_dir), dtype="float32", kv_cache_gb=0.01, max_num_seqs=1))
+    eng.add(req("low", max_tokens=3, ignore_eos=True))
+    r = req("high", max_tokens=3, ignore_eos=True)
+    r.priority = -5
+    eng.add(r)
+    order = [d.request_id for d in run_all(eng) if d.finished]
+    assert order == ["high", "low"]
+
+
+def test_tenants_never_share_cached_blocks(engine):
+    prompt = list(range(500, 560))
+    a = req("ta", prompt, max_tokens=2)
+    a.tenant = "alice"
+    engine.generate([a])
+    b = req("tb", prompt, max_tokens=2)
+    b.tenant = "bob"
+    assert engine.generate([b])["tb"].usage.cached_prompt_tokens == 0
+    c = req("tc", prompt, max_tokens=2)
+    c.tenant = "alice"
+    assert engine.generate([c])["tc"].usage.cached_prompt_tokens == 48
+
+
+def test_messages_and_text_prompts_are_tokenized(engine):
+    r1 = EngineRequest(request_id="m", messages=[{"role": "user", "content": "hello world"}],
+                       sampling=SamplingParams(max_tokens=2))
+    r2 = EngineRequest(request_id="p", prompt="hello world", sampling=SamplingParams(max_tokens=2))
+    got = engine.generate([r1, r2])
+    assert got["m"].usage.prompt_tokens > got["p"].usage.prompt_tokens > 0
