@@ -1,0 +1,439 @@
+"""What tokenmill relies on from aiokafka, proven against the real Apache Kafka 4.x broker.
+
+aiokafka's own CI stops at Kafka 2.8 and Kafka 4.0 removed many old protocol versions
+(KIP-896), so each feature the worker uses gets a test here: keys and headers, manual commits,
+group failover (dead member and clean leave), the idempotent producer (including a replayed
+batch), and transactions with send_offsets_to_transaction read back with read_committed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+import time
+import uuid
+
+import pytest
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.structs import OffsetAndMetadata
+
+pytestmark = pytest.mark.kafka
+
+# Group timings for the failover tests: the broker allows sessions down to 500 ms.
+SHORT_SESSION_MS = 1000
+HEARTBEAT_MS = 200
+
+
+def _uid() -> str:
+    return uuid.uuid4().hex[:10]
+
+
+async def _read(bootstrap: str, topic: str, *, expect: int | None = None, idle_s: float = 1.5,
+                timeout_s: float = 20.0, **consumer_kw) -> list:
+    """Read a topic from the beginning (no group) until ``expect`` records or ``idle_s`` of silence."""
+    consumer = AIOKafkaConsumer(topic, bootstrap_servers=bootstrap, auto_offset_reset="earliest",
+                                enable_auto_commit=False, **consumer_kw)
+    await consumer.start()
+    records: list = []
+    try:
+        deadline = time.monotonic() + timeout_s
+        last_new = time.monotonic()
+        while time.monotonic() < deadline:
+            batch = await consumer.getmany(timeout_ms=200)
+            got = [m for msgs in batch.values() for m in msgs]
+            if got:
+                records += got
+                last_new = time.monotonic()
+            if expect is not None and len(records) >= expect:
+                # Keep polling briefly: more than expected must show up as a failure.
+                if time.monotonic() - last_new >= 0.5:
+                    break
+            elif expect is None and time.monotonic() - last_new >= idle_s:
+                break
+    finally:
+        await consumer.stop()
+    return sorted(records, key=lambda m: (m.partition, m.offset))
+
+
+async def _produce(bootstrap: str, topic: str, items: list[tuple[int | None, bytes | None, bytes]]) -> None:
+    """Send (partition, key, value) records and wait for every acknowledgement."""
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all")
+    await producer.start()
+    try:
+        futures = [await producer.send(topic, value, key=key, partition=p) for p, key, value in items]
+        await asyncio.gather(*futures)
+    finally:
+        await producer.stop()
+
+
+# ---- keys and headers ----------------------------------------------------------------------
+
+
+async def test_keys_headers_and_timestamps_round_trip(kafka_bootstrap, new_topic):
+    topic = new_topic(partitions=1)
+    sent = [
+        (b"job-1", b"plain", [("tokenmill.error.code", b"invalid_job"), ("n", b"1")]),
+        (None, b"no key", []),
+        (b"", b"empty key", [("empty", b"")]),
+        (b"\x00\xff binary", None, [("bin", bytes(range(256)))]),  # a tombstone with headers
+        (b"dup", b"repeated header keys keep order", [("h", b"1"), ("h", b"2"), ("h", b"3")]),
+        ("ключ".encode(), "значение".encode(), [("ünïcode-kéy", "välue".encode())]),
+    ]
+    producer = AIOKafkaProducer(bootstrap_servers=kafka_bootstrap, acks="all")
+    await producer.start()
+    try:
+        for i, (key, value, headers) in enumerate(sent):
+            await producer.send_and_wait(topic, value, key=key, headers=headers, timestamp_ms=1_700_000_000_000 + i)
+    finally:
+        await producer.stop()
+
+    got = await _read(kafka_bootstrap, topic, expect=len(sent))
+    assert [(m.key, m.value, list(m.headers)) for m in got] == [(k, v, h) for k, v, h in sent]
+    assert [m.timestamp for m in got] == [1_700_000_000_000 + i for i in range(len(sent))]
+    assert [m.offset for m in got] == list(range(len(sent)))
+
+
+async def test_same_key_always_lands_on_the_same_partition(kafka_bootstrap, new_topic):
+    """Prefix-affinity keys rely on the default (murmur2) partitioner being deterministic."""
+    topic = new_topic(partitions=4)
+    keys = [f"prefix-{i % 5}".encode() for i in range(40)]
+    await _produce(kafka_bootstrap, topic, [(None, k, b"v%d" % i) for i, k in enumerate(keys)])
+    got = await _read(kafka_bootstrap, topic, expect=len(keys))
+    partitions_of: dict[bytes, set[int]] = {}
+    for m in got:
+        partitions_of.setdefault(m.key, set()).add(m.partition)
+    assert len(got) == 40
+    assert all(len(ps) == 1 for ps in partitions_of.values()), partitions_of
+    assert len({next(iter(ps)) for ps in partitions_of.values()}) > 1  # keys do spread
+
+
+# ---- manual commits ------------------------------------------------------------------------
+
+
+async def test_group_resumes_exactly_from_committed_offsets(kafka_bootstrap, new_topic):
+    topic = new_topic(partitions=2)
+    group = f"g-{_uid()}"
+    await _produce(kafka_bootstrap, topic, [(p, None, f"{p}-{i}".encode()) for p in (0, 1) for i in range(10)])
+    tp0, tp1 = TopicPartition(topic, 0), TopicPartition(topic, 1)
+
+    def member() -> AIOKafkaConsumer:
+        return AIOKafkaConsumer(topic, bootstrap_servers=kafka_bootstrap, group_id=group,
+                                enable_auto_commit=False, auto_offset_reset="earliest",
+                                session_timeout_ms=6000, heartbeat_interval_ms=HEARTBEAT_MS)
+
+    async def take(consumer: AIOKafkaConsumer, tp: TopicPartition, n: int) -> list[int]:
+        """The next n offsets of one partition (the other is paused)."""
+        offsets: list[int] = []
+        deadline = time.monotonic() + 20
+        while len(offsets) < n and time.monotonic() < deadline:
+            batch = await consumer.getmany(tp, timeout_ms=300, max_records=n - len(offsets))
+            offsets += [m.offset for m in batch.get(tp, [])]
+        return offsets
+
+    # 1st member: read 4 from partition 0 and 7 from partition 1, commit what it consumed.
+    first = member()
+    await first.start()
+    try:
+        assert await take(first, tp0, 4) == [0, 1, 2, 3]
+        assert await take(first, tp1, 7) == list(range(7))
+        await first.commit()
+        assert await first.committed(tp0) == 4 and await first.committed(tp1) == 7
+    finally:
+        await first.stop()
+
+    # 2nd member: starts exactly there; reads more, but commits an explicit lower point
+    # (what a worker does when later jobs finished before earlier ones), with metadata.
+    second = member()
+    await second.start()
+    try:
+        assert await take(second, tp0, 3) == [4, 5, 6]
+        assert await take(second, tp1, 1) == [7]
+        await second.commit({tp0: OffsetAndMetadata(5, "watermark"), tp1: 8})
+    finally:
+        await second.stop()
+
+    # 3rd member: resumes at the explicit points, not at what the 2nd member had read.
+    third = member()
+    await third.start()
+    try:
+        assert await take(third, tp0, 5) == [5, 6, 7, 8, 9]
+        assert await take(third, tp1, 2) == [8, 9]
+        from aiokafka.admin import AIOKafkaAdminClient
+
+        admin = AIOKafkaAdminClient(bootstrap_servers=kafka_bootstrap)
+        await admin.start()
+        try:
+            offsets = await admin.list_consumer_group_offsets(group)
+        finally:
+            await admin.close()
+        assert offsets[tp0].offset == 5 and offsets[tp0].metadata == "watermark"
+        assert offsets[tp1].offset == 8
+    finally:
+        await third.stop()
+
+
+# ---- group failover ------------------------------------------------------------------------
+
+# A group member in its own process, so it can die without leaving the group (SIGKILL).
+# It prints its assignment whenever it changes and every record it reads, and commits each batch.
+_MEMBER = r"""
+import asyncio, json, sys
+from aiokafka import AIOKafkaConsumer
+
+async def main(bootstrap, topic, group, session_ms, heartbeat_ms):
+    consumer = AIOKafkaConsumer(topic, bootstrap_servers=bootstrap, group_id=group,
+                                enable_auto_commit=False, auto_offset_reset="earliest",
+                                session_timeout_ms=session_ms, heartbeat_interval_ms=heartbeat_ms)
+    await consumer.start()
+    shown = None
+    while True:
+        batch = await consumer.getmany(timeout_ms=100)
+        for tp, msgs in batch.items():
+            for m in msgs:
+                print(json.dumps({"record": [tp.partition, m.offset, m.value.decode()]}), flush=True)
+        if batch:
+            await consumer.commit()
+            print(json.dumps({"committed": True}), flush=True)
+        now = sorted(tp.partition for tp in consumer.assignment())
+        if now != shown:
+            shown = now
+            print(json.dumps({"assignment": now}), flush=True)
+
+asyncio.run(main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])))
+"""
+
+
+class _ProcessMember:
+    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+        self.proc = proc
+        self.assignment: list[int] | None = None
+        self.records: list[tuple[int, int, str]] = []
+        self.committed_count = 0  # how many of its records were read before its last commit
+
+    @classmethod
+    async def start(cls, bootstrap: str, topic: str, group: str, session_ms: int) -> _ProcessMember:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", _MEMBER, bootstrap, topic, group, str(session_ms), str(HEARTBEAT_MS),
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
+        )
+        return cls(proc)
+
+    async def until(self, predicate, timeout: float = 30.0) -> None:
+        """Read its output until predicate(self) holds."""
+        deadline = time.monotonic() + timeout
+        while not predicate(self):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise AssertionError(f"member state not reached: assignment={self.assignment} records={self.records}")
+            try:
+                line = await asyncio.wait_for(self.proc.stdout.readline(), remaining)
+            except TimeoutError:
+                continue
+            if not line:
+                raise AssertionError(f"member process exited (code {self.proc.returncode})")
+            event = json.loads(line)
+            if "assignment" in event:
+                self.assignment = event["assignment"]
+            elif "record" in event:
+                self.records.append(tuple(event["record"]))
+            elif "committed" in event:
+                self.committed_count = len(self.records)
+
+    async def kill(self) -> None:
+        if self.proc.returncode is None:
+            self.proc.send_signal(signal.SIGKILL)
+            await self.proc.wait()
+
+
+class _InProcessMember:
+    """A consumer polled by a background task, recording its assignment and records."""
+
+    def __init__(self, bootstrap: str, topic: str, group: str, session_ms: int) -> None:
+        self.consumer = AIOKafkaConsumer(topic, bootstrap_servers=bootstrap, group_id=group,
+                                         enable_auto_commit=False, auto_offset_reset="earliest",
+                                         session_timeout_ms=session_ms, heartbeat_interval_ms=HEARTBEAT_MS)
+        self.records: list[tuple[int, int, str]] = []
+        self.committed_count = 0  # how many of its records were read before its last commit
+        self.changes: list[tuple[float, list[int]]] = []  # (monotonic time, assignment)
+        self._task: asyncio.Task | None = None
+
+    @property
+    def assignment(self) -> list[int]:
+        return sorted(tp.partition for tp in self.consumer.assignment())
+
+    async def start(self) -> None:
+        await self.consumer.start()
+        self._task = asyncio.create_task(self._poll())
+
+    async def _poll(self) -> None:
+        while True:
+            batch = await self.consumer.getmany(timeout_ms=100)
+            for tp, msgs in batch.items():
+                self.records += [(tp.partition, m.offset, m.value.decode()) for m in msgs]
+            if batch:
+                await self.consumer.commit()
+                self.committed_count = len(self.records)
+            now = self.assignment
+            if not self.changes or self.changes[-1][1] != now:
+                self.changes.append((time.monotonic(), now))
+
+    async def until(self, predicate, timeout: float = 30.0) -> float:
+        """Wait until predicate(self) holds; returns the monotonic time it was first seen."""
+        deadline = time.monotonic() + timeout
+        while not predicate(self):
+            if self._task is not None and self._task.done():
+                self._task.result()  # surface the polling error
+            if time.monotonic() > deadline:
+                raise AssertionError(f"state not reached: assignment={self.assignment} records={self.records}")
+            await asyncio.sleep(0.05)
+        return time.monotonic()
+
+    async def stop(self) -> None:
+        """Clean shutdown: aiokafka sends LeaveGroup, so the group rebalances at once."""
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        await self.consumer.stop()
+
+
+@pytest.mark.parametrize("how", ["dies", "leaves"])
+async def test_two_members_split_partitions_and_one_takes_over(kafka_bootstrap, new_topic, how):
+    """'dies': the other member is SIGKILLed (no LeaveGroup; noticed after the session timeout).
+    'leaves': it stops cleanly (LeaveGroup; the rebalance starts at once)."""
+    topic = new_topic(partitions=4)
+    group = f"g-{_uid()}"
+    # A dead member is only noticed after its session times out; a clean leave needs no timeout,
+    # so that case runs with a long session to show that the takeover did not wait for it.
+    session_ms = SHORT_SESSION_MS if how == "dies" else 20_000
+
+    if how == "dies":
+        other = await _ProcessMember.start(kafka_bootstrap, topic, group, session_ms)
+        await other.until(lambda m: m.assignment == [0, 1, 2, 3])
+    else:
+        other = _InProcessMember(kafka_bootstrap, topic, group, session_ms)
+        await other.start()
+        await other.until(lambda m: m.assignment == [0, 1, 2, 3])
+
+    survivor = _InProcessMember(kafka_bootstrap, topic, group, session_ms)
+    try:
+        await survivor.start()
+        await survivor.until(lambda m: len(m.assignment) == 2)
+        await other.until(lambda m: len(m.assignment) == 2)
+        assert sorted(survivor.assignment + other.assignment) == [0, 1, 2, 3]
+        theirs = list(other.assignment)
+
+        # Each member reads (and commits) the records of its own partitions.
+        await _produce(kafka_bootstrap, topic, [(p, None, f"before-{p}".encode()) for p in range(4)])
+        await other.until(lambda m: len(m.records) == 2 and m.committed_count == 2)
+        await survivor.until(lambda m: len(m.records) == 2)
+        assert sorted(r[0] for r in other.records) == theirs
+        assert sorted(r[0] for r in survivor.records) == sorted(set(range(4)) - set(theirs))
+
+        gone_at = time.monotonic()
+        if how == "dies":
+            await other.kill()
+        else:
+            await other.stop()
+        took_over_at = await survivor.until(lambda m: m.assignment == [0, 1, 2, 3], timeout=60)
+        takeover_s = took_over_at - gone_at
+
+        # The survivor continues the dead member's partitions from their committed offsets:
+        # the 'before' records it already handled are not delivered again, new ones are.
+        await _produce(kafka_bootstrap, topic, [(p, None, f"after-{p}".encode()) for p in range(4)])
+        await survivor.until(lambda m: sum(r[2].startswith("after-") for r in m.records) == 4)
+        await asyncio.sleep(0.5)
+        values = sorted(r[2] for r in survivor.records)
+        expected_before = sorted(f"before-{p}" for p in range(4) if p not in theirs)
+        assert values == sorted(expected_before + [f"after-{p}" for p in range(4)])
+    finally:
+        await survivor.stop()
+        if how == "dies":
+            await other.kill()
+
+    if how == "dies":
+        # Detected through the session timeout: not before it, and not much after it.
+        assert session_ms / 1000 * 0.8 <= takeover_s < 15, takeover_s
+    else:
+        # LeaveGroup made the rebalance immediate: far sooner than the 20 s session timeout.
+        assert takeover_s < 8, takeover_s
+
+
+# ---- idempotent producer -------------------------------------------------------------------
+
+
+async def test_idempotent_producer_delivers_each_record_once_in_order(kafka_bootstrap, new_topic):
+    topic = new_topic(partitions=1)
+    producer = AIOKafkaProducer(bootstrap_servers=kafka_bootstrap, enable_idempotence=True,
+                                linger_ms=5, max_batch_size=4096)
+    await producer.start()
+    try:
+        # Many small batches in flight at once, as the worker's publisher sends results.
+        futures = [await producer.send(topic, f"r{i:04d}".encode(), key=b"k") for i in range(500)]
+        metas = await asyncio.gather(*futures)
+    finally:
+        await producer.stop()
+    assert [m.offset for m in metas] == list(range(500))
+    got = await _read(kafka_bootstrap, topic, expect=500)
+    assert [m.value for m in got] == [f"r{i:04d}".encode() for i in range(500)]
+
+
+async def _raw_produce_twice(bootstrap: str, topic: str, producer_id: int, epoch: int, sequence: int):
+    """Send the same record batch twice, as a producer retry after a lost response does."""
+    from aiokafka.client import AIOKafkaClient
+    from aiokafka.protocol.produce import ProduceRequest
+    from aiokafka.record.default_records import DefaultRecordBatchBuilder
+
+    client = AIOKafkaClient(bootstrap_servers=bootstrap)
+    await client.bootstrap()
+    try:
+        builder = DefaultRecordBatchBuilder(magic=2, compression_type=0, is_transactional=0,
+                                            producer_id=producer_id, producer_epoch=epoch,
+                                            base_sequence=sequence, batch_size=16384)
+        builder.append(0, timestamp=None, key=b"k", value=f"seq-{sequence}".encode(), headers=[])
+        batch = bytes(builder.build())
+        request = ProduceRequest(transactional_id=None, required_acks=-1, timeout=10000,
+                                 topics=[(topic, [(0, batch)])])
+        node = client.cluster.leader_for_partition(TopicPartition(topic, 0))
+        if node is None:
+            await client.force_metadata_update()
+            node = client.cluster.leader_for_partition(TopicPartition(topic, 0))
+        answers = []
+        for _ in range(2):
+            response = await client.send(node, request)
+            part = response.topics[0][1][0]
+            answers.append((part[1], part[2]))  # (error_code, base offset)
+        return answers
+    finally:
+        await client.close()
+
+
+async def test_broker_drops_a_replayed_idempotent_batch(kafka_bootstrap, new_topic):
+    """The point of idempotence: a retried batch (same producer id, epoch, sequence) is stored
+    once. Control: the same replay without a producer id is stored twice."""
+    from aiokafka.client import AIOKafkaClient
+    from aiokafka.protocol.transaction import InitProducerIdRequest
+
+    topic = new_topic(partitions=1)
+    client = AIOKafkaClient(bootstrap_servers=kafka_bootstrap)
+    await client.bootstrap()
+    try:
+        # What AIOKafkaProducer(enable_idempotence=True) asks for on start.
+        init = await client.send(client.get_random_node(), InitProducerIdRequest(None, 60000))
+    finally:
+        await client.close()
+    assert init.error_code == 0 and init.producer_id >= 0
+
+    replay = await _raw_produce_twice(kafka_bootstrap, topic, init.producer_id, init.producer_epoch, 0)
+    # Both answers succeed and point at the same offset: the second write was recognised.
+    assert replay == [(0, 0), (0, 0)]
+    control = await _raw_produce_twice(kafka_bootstrap, topic, -1, -1, -1)
+    assert control == [(0, 1), (0, 2)]
+
+    got = await _read(kafka_bootstrap, topic, expect=3)
+    assert [m.value for m in got] == [b"seq-0", b"seq--1", b"seq--1"]
