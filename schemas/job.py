@@ -84,9 +84,7 @@ class Sampling(StrictModel):
     @model_validator(mode="after")
     def _min_not_above_max(self) -> Sampling:
         if self.min_tokens > self.max_tokens:
-            raise ValueError(
-                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
-            )
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         return self
 
 

@@ -79,7 +79,9 @@ def _is_default(name: str, value: Any) -> bool:
 
 def _not_default_reason(name: str, value: Any) -> str:
     if name == "n" and type(value) is int and value > 1:
-        return "n > 1 is not supported; send one line per sample (with different seeds to get different samples)"
+        return (
+            "n > 1 is not supported; send one line per sample (with different seeds to get different samples)"
+        )
     if name == "best_of" and type(value) is int and value > 1:
         return "best_of > 1 is not supported; send one line per candidate"
     if name == "stream":
@@ -216,7 +218,9 @@ def job_from_openai_batch_line(line: dict[str, Any] | bytes | bytearray | str) -
         if "max_tokens" in body and "max_completion_tokens" in body:
             a, b = body["max_tokens"], body["max_completion_tokens"]
             if a is not None and b is not None and a != b:
-                problems.append("body.max_tokens, body.max_completion_tokens: both given with different values")
+                problems.append(
+                    "body.max_tokens, body.max_completion_tokens: both given with different values"
+                )
             elif a is not None:
                 sampling["max_tokens"] = a
                 rename["sampling.max_tokens"] = "body.max_tokens"
@@ -272,7 +276,11 @@ def _lp(logprob: float | None) -> float:
 
 def _chat_logprobs(logprobs: list[TokenLogprob]) -> dict[str, Any]:
     def entry(token: str, logprob: float | None) -> dict[str, Any]:
-        return {"token": token, "logprob": _lp(logprob), "bytes": list(token.encode("utf-8", errors="replace"))}
+        return {
+            "token": token,
+            "logprob": _lp(logprob),
+            "bytes": list(token.encode("utf-8", errors="replace")),
+        }
 
     content = []
     for t in logprobs:
@@ -325,7 +333,9 @@ def _ok_body(result: Result, url: str, created: int) -> dict[str, Any]:
     }
 
 
-def openai_batch_output_line(result: Result, url: str | None, *, created: int | None = None) -> dict[str, Any]:
+def openai_batch_output_line(
+    result: Result, url: str | None, *, created: int | None = None
+) -> dict[str, Any]:
     """A Result -> one OpenAI Batch output line (a dict; write it as one JSON line).
 
     ``url`` is the input line's url; it picks the body shape of successful results (a Result of
@@ -342,7 +352,11 @@ def openai_batch_output_line(result: Result, url: str | None, *, created: int | 
         if url not in OPENAI_BATCH_URLS:
             raise ValueError(f"url must be one of {', '.join(OPENAI_BATCH_URLS)}, got {url!r}")
         when = int(time.time()) if created is None else created
-        line["response"] = {"status_code": 200, "request_id": f"req_{digest}", "body": _ok_body(result, url, when)}
+        line["response"] = {
+            "status_code": 200,
+            "request_id": f"req_{digest}",
+            "body": _ok_body(result, url, when),
+        }
         line["error"] = None
     elif result.status == STATUS_ERROR:
         assert result.error is not None  # guaranteed by Result's validation

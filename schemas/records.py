@@ -9,7 +9,14 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    model_serializer,
+    model_validator,
+)
 
 from schemas.constants import (
     STATUS_ERROR,
@@ -98,7 +105,10 @@ class Result(RecordModel):
                     "if": {"properties": {"status": {"const": "ok"}}, "required": ["status"]},
                     "then": {
                         "required": ["finish_reason"],
-                        "properties": {"finish_reason": {"enum": ["stop", "length"]}, "error": {"type": "null"}},
+                        "properties": {
+                            "finish_reason": {"enum": ["stop", "length"]},
+                            "error": {"type": "null"},
+                        },
                     },
                 },
                 {

@@ -19,9 +19,20 @@ from worker.job_mapping import (
 )
 
 SAMPLING = {
-    "max_tokens": 12, "min_tokens": 2, "temperature": 0.5, "top_p": 0.9, "top_k": 40, "min_p": 0.05,
-    "repetition_penalty": 1.1, "presence_penalty": 0.3, "frequency_penalty": -0.2, "seed": 9,
-    "stop": ["\n"], "stop_token_ids": [7], "ignore_eos": True, "logprobs": 2,
+    "max_tokens": 12,
+    "min_tokens": 2,
+    "temperature": 0.5,
+    "top_p": 0.9,
+    "top_k": 40,
+    "min_p": 0.05,
+    "repetition_penalty": 1.1,
+    "presence_penalty": 0.3,
+    "frequency_penalty": -0.2,
+    "seed": 9,
+    "stop": ["\n"],
+    "stop_token_ids": [7],
+    "ignore_eos": True,
+    "logprobs": 2,
 }
 
 
@@ -31,10 +42,15 @@ def job(**fields) -> Job:
 
 def final(reason=FinishReason.STOP, **fields) -> RequestDelta:
     base = dict(
-        request_id="j1", new_token_ids=[6], text_delta="jour", finished=True, finish_reason=reason,
+        request_id="j1",
+        new_token_ids=[6],
+        text_delta="jour",
+        finished=True,
+        finish_reason=reason,
         usage=Usage(prompt_tokens=9, completion_tokens=2, cached_prompt_tokens=4),
         timing=Timing(queue_ms=1.5, ttft_ms=4.0, decode_ms=2.0, total_ms=6.0),
-        output_token_ids=[5, 6], output_text="Bonjour",
+        output_token_ids=[5, 6],
+        output_text="Bonjour",
     )
     base.update(fields)
     return RequestDelta(**base)
@@ -44,11 +60,22 @@ WHO = dict(model="tiny-llama", worker="w3", attempt="w3-abc")
 
 
 def test_every_sampling_field_reaches_the_engine():
-    req = job_to_engine_request(job(sampling=SAMPLING, priority=-2, deadline_ms=1_700_000_000_000, tenant="t1"),
-                                arrival_time=123.0)
-    assert req.request_id == "j1" and req.prompt == "hello" and req.messages is None and req.prompt_token_ids is None
+    req = job_to_engine_request(
+        job(sampling=SAMPLING, priority=-2, deadline_ms=1_700_000_000_000, tenant="t1"), arrival_time=123.0
+    )
+    assert (
+        req.request_id == "j1"
+        and req.prompt == "hello"
+        and req.messages is None
+        and req.prompt_token_ids is None
+    )
     assert req.sampling == SamplingParams(**SAMPLING)
-    assert (req.priority, req.deadline_ms, req.tenant, req.arrival_time) == (-2, 1_700_000_000_000.0, "t1", 123.0)
+    assert (req.priority, req.deadline_ms, req.tenant, req.arrival_time) == (
+        -2,
+        1_700_000_000_000.0,
+        "t1",
+        123.0,
+    )
 
 
 def test_defaults_match_the_engine_defaults():
@@ -96,15 +123,20 @@ def test_expired_result():
 @pytest.mark.parametrize(
     "engine_error,code,message",
     [
-        ("prompt_too_long: prompt has 5000 tokens, the model allows 4096", "prompt_too_long",
-         "prompt has 5000 tokens, the model allows 4096"),
+        (
+            "prompt_too_long: prompt has 5000 tokens, the model allows 4096",
+            "prompt_too_long",
+            "prompt has 5000 tokens, the model allows 4096",
+        ),
         ("model_mismatch: wants m2", "model_mismatch", "wants m2"),
         ("CUDA error: out of memory", "internal", "CUDA error: out of memory"),
         (None, "internal", "the engine failed without a message"),
     ],
 )
 def test_error_result_codes(engine_error, code, message):
-    r = build_result(job(), final(FinishReason.ERROR, error=engine_error, output_token_ids=None, output_text=None), **WHO)
+    r = build_result(
+        job(), final(FinishReason.ERROR, error=engine_error, output_token_ids=None, output_text=None), **WHO
+    )
     assert r.status == "error" and r.error.code == code and r.error.message == message
     assert r.text == "" and r.token_ids == [] and r.finish_reason is None
 
@@ -129,15 +161,24 @@ def test_logprobs_map_from_token_logprobs():
     gathered = [lp(5, "Bon", -0.5, [(5, "Bon", -0.5), (9, "Sa", float("-inf"))]), lp(6, "jour", -0.25)]
     r = build_result(job(sampling={"logprobs": 1}), final(), logprobs=gathered, **WHO)
     assert [x.model_dump() for x in r.logprobs] == [
-        {"token_id": 5, "token": "Bon", "logprob": -0.5, "top_logprobs": [
-            {"token_id": 5, "token": "Bon", "logprob": -0.5}, {"token_id": 9, "token": "Sa", "logprob": None}]},
+        {
+            "token_id": 5,
+            "token": "Bon",
+            "logprob": -0.5,
+            "top_logprobs": [
+                {"token_id": 5, "token": "Bon", "logprob": -0.5},
+                {"token_id": 9, "token": "Sa", "logprob": None},
+            ],
+        },
         {"token_id": 6, "token": "jour", "logprob": -0.25, "top_logprobs": []},
     ]
     json.loads(r.to_json_bytes())  # -inf became null: still strict JSON
 
 
 def test_logprobs_from_the_final_delta_when_it_covers_the_output():
-    r = build_result(job(sampling={"logprobs": 0}), final(logprobs=[lp(5, "Bon", -1.0), lp(6, "jour", -2.0)]), **WHO)
+    r = build_result(
+        job(sampling={"logprobs": 0}), final(logprobs=[lp(5, "Bon", -1.0), lp(6, "jour", -2.0)]), **WHO
+    )
     assert [x.logprob for x in r.logprobs] == [-1.0, -2.0]
 
 
@@ -147,13 +188,19 @@ def test_partial_logprobs_are_refused():
 
 
 def test_logprobs_left_out_when_not_asked():
-    assert build_result(job(), final(logprobs=[lp(5, "Bon", -1.0), lp(6, "jour", -2.0)]), **WHO).logprobs is None
+    assert (
+        build_result(job(), final(logprobs=[lp(5, "Bon", -1.0), lp(6, "jour", -2.0)]), **WHO).logprobs is None
+    )
 
 
 def test_error_result_for_jobs_that_did_not_run():
     src = Source(topic="tokenmill.jobs", partition=0, offset=7)
-    r = error_result("row-9", "invalid_job", "prompt: must not be empty", source=src, metadata={"a": 1}, **WHO)
-    assert r.status == "error" and r.error.code == "invalid_job" and r.source == src and r.metadata == {"a": 1}
+    r = error_result(
+        "row-9", "invalid_job", "prompt: must not be empty", source=src, metadata={"a": 1}, **WHO
+    )
+    assert (
+        r.status == "error" and r.error.code == "invalid_job" and r.source == src and r.metadata == {"a": 1}
+    )
     data = json.loads(r.to_json_bytes())
     assert data["error"] == {"code": "invalid_job", "message": "prompt: must not be empty"}
     with pytest.raises(ValueError, match="unknown error code"):

@@ -21,10 +21,23 @@ CONTRACT_JOB = {
     "stream": True,
     "metadata": {"dataset": "eval-2026-11"},
 }
-CONTRACT_EVENT = {"job_id": "row-000017", "attempt": "w3-7f2c", "index": 0, "token_ids": [1012, 318], "text": "Bon", "finished": False}
+CONTRACT_EVENT = {
+    "job_id": "row-000017",
+    "attempt": "w3-7f2c",
+    "index": 0,
+    "token_ids": [1012, 318],
+    "text": "Bon",
+    "finished": False,
+}
 CONTRACT_RESULT = {
-    "job_id": "row-000017", "status": "ok", "text": "Bonjour", "token_ids": [1012, 318, 29889],
-    "finish_reason": "stop", "model": "tiny-llama", "worker": "w3", "attempt": "w3-7f2c",
+    "job_id": "row-000017",
+    "status": "ok",
+    "text": "Bonjour",
+    "token_ids": [1012, 318, 29889],
+    "finish_reason": "stop",
+    "model": "tiny-llama",
+    "worker": "w3",
+    "attempt": "w3-7f2c",
     "usage": {"prompt_tokens": 9, "completion_tokens": 3, "cached_prompt_tokens": 0},
     "timing": {"queue_ms": 12.0, "ttft_ms": 40.1, "decode_ms": 22.9, "total_ms": 75.0},
     "source": {"topic": "tokenmill.jobs", "partition": 2, "offset": 1881},
@@ -57,13 +70,22 @@ def test_check_notices_drift(tmp_path, capsys):
 
 def test_export_module_writes_files(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "schemas.export", "--out-dir", str(tmp_path)], capture_output=True, text=True, check=True
+        [sys.executable, "-m", "schemas.export", "--out-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        check=True,
     )
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["job.schema.json", "result.schema.json", "token_event.schema.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "job.schema.json",
+        "result.schema.json",
+        "token_event.schema.json",
+    ]
     assert len(proc.stdout.splitlines()) == 3
 
 
-@pytest.mark.parametrize("name,example", [("job", CONTRACT_JOB), ("token-event", CONTRACT_EVENT), ("result", CONTRACT_RESULT)])
+@pytest.mark.parametrize(
+    "name,example", [("job", CONTRACT_JOB), ("token-event", CONTRACT_EVENT), ("result", CONTRACT_RESULT)]
+)
 def test_contract_examples_are_valid(name, example):
     validator(name).validate(example)
 
@@ -104,8 +126,18 @@ def test_job_schema_accepts_each_prompt_form():
         {**CONTRACT_RESULT, "finish_reason": None},
         {**CONTRACT_RESULT, "status": "error"},
         {**CONTRACT_RESULT, "error": {"code": "internal", "message": "x"}},
-        {**CONTRACT_RESULT, "status": "expired", "finish_reason": None, "error": {"code": "internal", "message": "x"}},
-        {**CONTRACT_RESULT, "status": "error", "finish_reason": None, "error": {"code": "oops", "message": "x"}},
+        {
+            **CONTRACT_RESULT,
+            "status": "expired",
+            "finish_reason": None,
+            "error": {"code": "internal", "message": "x"},
+        },
+        {
+            **CONTRACT_RESULT,
+            "status": "error",
+            "finish_reason": None,
+            "error": {"code": "oops", "message": "x"},
+        },
     ],
 )
 def test_result_schema_rejects_disagreeing_status(result):
@@ -135,3 +167,19 @@ def test_cli_prints_all(capsys):
 
 def test_schema_files_ship_with_the_package():
     assert JSON_DIR.name == "json" and (JSON_DIR / "job.schema.json").exists()
+
+
+def test_jobs_the_models_accept_pass_the_schema():
+    from hypothesis import given, settings
+
+    from tests.test_schemas_decode import valid_jobs
+
+    job_validator = validator("job")
+
+    @settings(max_examples=100, deadline=None, database=None)
+    @given(valid_jobs)
+    def check(obj):
+        job_validator.validate(obj)  # what the producer wrote
+        job_validator.validate(json.loads(decode_job(json.dumps(obj).encode()).to_json_bytes()))
+
+    check()

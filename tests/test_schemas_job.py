@@ -44,8 +44,17 @@ VALID = [
     ("token ids only", {"prompt": _DROP, "prompt_token_ids": [0, 5, 2**31 - 1]}),
     ("null prompt counts as absent", {"prompt": None, "messages": MSGS}),
     ("whitespace prompt is a prompt", {"prompt": " "}),
-    ("all roles", {"prompt": _DROP, "messages": [
-        {"role": "system", "content": ""}, {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}),
+    (
+        "all roles",
+        {
+            "prompt": _DROP,
+            "messages": [
+                {"role": "system", "content": ""},
+                {"role": "user", "content": "q"},
+                {"role": "assistant", "content": "a"},
+            ],
+        },
+    ),
     ("model", {"model": "tiny-llama"}),
     ("model null", {"model": None}),
     ("empty sampling", {"sampling": {}}),
@@ -96,7 +105,11 @@ INVALID = [
     ("job_id empty", {"job_id": ""}, "job_id: must not be empty"),
     ("job_id 257 chars", {"job_id": "x" * 257}, "job_id: must have at most 256 characters"),
     ("job_id int", {"job_id": 17}, "job_id: must be a string"),
-    ("no prompt", {"prompt": _DROP}, "exactly one of prompt, messages, prompt_token_ids is required (got none)"),
+    (
+        "no prompt",
+        {"prompt": _DROP},
+        "exactly one of prompt, messages, prompt_token_ids is required (got none)",
+    ),
     ("prompt and messages", {"messages": MSGS}, "(got prompt, messages)"),
     ("prompt and token ids", {"prompt_token_ids": [1]}, "(got prompt, prompt_token_ids)"),
     ("all three", {"messages": MSGS, "prompt_token_ids": [1]}, "(got prompt, messages, prompt_token_ids)"),
@@ -104,19 +117,52 @@ INVALID = [
     ("prompt not a string", {"prompt": ["hello"]}, "prompt: must be a string"),
     ("empty messages", {"prompt": _DROP, "messages": []}, "messages: must not be empty"),
     ("messages not a list", {"prompt": _DROP, "messages": {"role": "user"}}, "messages: must be a list"),
-    ("message unknown role", {"prompt": _DROP, "messages": [{"role": "tool", "content": "x"}]},
-     "messages[0].role: must be one of 'system', 'user' or 'assistant'"),
-    ("message without content", {"prompt": _DROP, "messages": [{"role": "user"}]}, "messages[0].content: required"),
-    ("message content not a string", {"prompt": _DROP, "messages": [{"role": "user", "content": 3}]},
-     "messages[0].content: must be a string"),
-    ("message unknown field", {"prompt": _DROP, "messages": [{"role": "user", "content": "x", "name": "bob"}]},
-     "messages[0].name: unknown field"),
+    (
+        "message unknown role",
+        {"prompt": _DROP, "messages": [{"role": "tool", "content": "x"}]},
+        "messages[0].role: must be one of 'system', 'user' or 'assistant'",
+    ),
+    (
+        "message without content",
+        {"prompt": _DROP, "messages": [{"role": "user"}]},
+        "messages[0].content: required",
+    ),
+    (
+        "message content not a string",
+        {"prompt": _DROP, "messages": [{"role": "user", "content": 3}]},
+        "messages[0].content: must be a string",
+    ),
+    (
+        "message unknown field",
+        {"prompt": _DROP, "messages": [{"role": "user", "content": "x", "name": "bob"}]},
+        "messages[0].name: unknown field",
+    ),
     ("empty token ids", {"prompt": _DROP, "prompt_token_ids": []}, "prompt_token_ids: must not be empty"),
-    ("negative token id", {"prompt": _DROP, "prompt_token_ids": [1, -1]}, "prompt_token_ids[1]: must be >= 0"),
-    ("token id too large", {"prompt": _DROP, "prompt_token_ids": [2**31]}, "prompt_token_ids[0]: must be <= 2147483647"),
-    ("token id float", {"prompt": _DROP, "prompt_token_ids": [1.0]}, "prompt_token_ids[0]: must be an integer"),
-    ("token id string", {"prompt": _DROP, "prompt_token_ids": ["1"]}, "prompt_token_ids[0]: must be an integer"),
-    ("token id bool", {"prompt": _DROP, "prompt_token_ids": [True]}, "prompt_token_ids[0]: must be an integer"),
+    (
+        "negative token id",
+        {"prompt": _DROP, "prompt_token_ids": [1, -1]},
+        "prompt_token_ids[1]: must be >= 0",
+    ),
+    (
+        "token id too large",
+        {"prompt": _DROP, "prompt_token_ids": [2**31]},
+        "prompt_token_ids[0]: must be <= 2147483647",
+    ),
+    (
+        "token id float",
+        {"prompt": _DROP, "prompt_token_ids": [1.0]},
+        "prompt_token_ids[0]: must be an integer",
+    ),
+    (
+        "token id string",
+        {"prompt": _DROP, "prompt_token_ids": ["1"]},
+        "prompt_token_ids[0]: must be an integer",
+    ),
+    (
+        "token id bool",
+        {"prompt": _DROP, "prompt_token_ids": [True]},
+        "prompt_token_ids[0]: must be an integer",
+    ),
     ("model empty", {"model": ""}, "model: must not be empty"),
     ("model not a string", {"model": 1}, "model: must be a string"),
     ("sampling not an object", {"sampling": [1]}, "sampling: must be an object"),
@@ -127,8 +173,11 @@ INVALID = [
     ("max_tokens bool", {"sampling.max_tokens": True}, "sampling.max_tokens: must be an integer"),
     ("max_tokens float", {"sampling.max_tokens": 10.0}, "sampling.max_tokens: must be an integer"),
     ("min_tokens negative", {"sampling.min_tokens": -1}, "sampling.min_tokens: must be >= 0"),
-    ("min_tokens above max_tokens", {"sampling.min_tokens": 9, "sampling.max_tokens": 8},
-     "sampling: min_tokens (9) must not exceed max_tokens (8)"),
+    (
+        "min_tokens above max_tokens",
+        {"sampling.min_tokens": 9, "sampling.max_tokens": 8},
+        "sampling: min_tokens (9) must not exceed max_tokens (8)",
+    ),
     ("temperature negative", {"sampling.temperature": -0.1}, "sampling.temperature: must be >= 0"),
     ("temperature string", {"sampling.temperature": "0"}, "sampling.temperature: must be a number"),
     ("temperature bool", {"sampling.temperature": False}, "sampling.temperature: must be a number"),
@@ -139,18 +188,42 @@ INVALID = [
     ("min_p above 1", {"sampling.min_p": 1.1}, "sampling.min_p: must be <= 1"),
     ("min_p negative", {"sampling.min_p": -0.1}, "sampling.min_p: must be >= 0"),
     ("repetition_penalty 0", {"sampling.repetition_penalty": 0}, "sampling.repetition_penalty: must be > 0"),
-    ("presence_penalty above 2", {"sampling.presence_penalty": 2.1}, "sampling.presence_penalty: must be <= 2"),
-    ("presence_penalty below -2", {"sampling.presence_penalty": -2.5}, "sampling.presence_penalty: must be >= -2"),
-    ("frequency_penalty above 2", {"sampling.frequency_penalty": 3}, "sampling.frequency_penalty: must be <= 2"),
-    ("frequency_penalty below -2", {"sampling.frequency_penalty": -3}, "sampling.frequency_penalty: must be >= -2"),
+    (
+        "presence_penalty above 2",
+        {"sampling.presence_penalty": 2.1},
+        "sampling.presence_penalty: must be <= 2",
+    ),
+    (
+        "presence_penalty below -2",
+        {"sampling.presence_penalty": -2.5},
+        "sampling.presence_penalty: must be >= -2",
+    ),
+    (
+        "frequency_penalty above 2",
+        {"sampling.frequency_penalty": 3},
+        "sampling.frequency_penalty: must be <= 2",
+    ),
+    (
+        "frequency_penalty below -2",
+        {"sampling.frequency_penalty": -3},
+        "sampling.frequency_penalty: must be >= -2",
+    ),
     ("seed string", {"sampling.seed": "42"}, "sampling.seed: must be an integer"),
     ("seed float", {"sampling.seed": 4.2}, "sampling.seed: must be an integer"),
     ("seed beyond 64 bits", {"sampling.seed": 2**63}, "sampling.seed: must be <="),
-    ("stop 17 strings", {"sampling.stop": [f"s{i}" for i in range(17)]}, "sampling.stop: must have at most 16 items"),
+    (
+        "stop 17 strings",
+        {"sampling.stop": [f"s{i}" for i in range(17)]},
+        "sampling.stop: must have at most 16 items",
+    ),
     ("stop empty string", {"sampling.stop": ["ok", ""]}, "sampling.stop[1]: must not be empty"),
     ("stop as a bare string", {"sampling.stop": "END"}, "sampling.stop: must be a list"),
     ("stop non-string", {"sampling.stop": [1]}, "sampling.stop[0]: must be a string"),
-    ("stop_token_ids negative", {"sampling.stop_token_ids": [-1]}, "sampling.stop_token_ids[0]: must be >= 0"),
+    (
+        "stop_token_ids negative",
+        {"sampling.stop_token_ids": [-1]},
+        "sampling.stop_token_ids[0]: must be >= 0",
+    ),
     ("ignore_eos int", {"sampling.ignore_eos": 1}, "sampling.ignore_eos: must be true or false"),
     ("ignore_eos string", {"sampling.ignore_eos": "true"}, "sampling.ignore_eos: must be true or false"),
     ("logprobs 21", {"sampling.logprobs": 21}, "sampling.logprobs: must be <= 20"),
@@ -165,8 +238,16 @@ INVALID = [
     ("deadline_ms float", {"deadline_ms": 1.5}, "deadline_ms: must be an integer"),
     ("tenant empty", {"tenant": ""}, "tenant: must not be empty"),
     ("tenant not a string", {"tenant": 5}, "tenant: must be a string"),
-    ("metadata one byte over 16 KiB", {"metadata": meta_of_size(16385)}, "metadata: is 16385 bytes as JSON; at most 16384"),
-    ("metadata over 16 KiB in 2-byte chars", {"metadata": meta_of_size(16386, "é")}, "metadata: is 16386 bytes"),
+    (
+        "metadata one byte over 16 KiB",
+        {"metadata": meta_of_size(16385)},
+        "metadata: is 16385 bytes as JSON; at most 16384",
+    ),
+    (
+        "metadata over 16 KiB in 2-byte chars",
+        {"metadata": meta_of_size(16386, "é")},
+        "metadata: is 16386 bytes",
+    ),
     ("metadata a list", {"metadata": [1]}, "metadata: must be an object"),
     ("metadata a string", {"metadata": "x"}, "metadata: must be an object"),
     ("unknown top-level field", {"prompts": "typo"}, "prompts: unknown field"),
@@ -201,7 +282,14 @@ def test_defaults_follow_the_contract():
     job = decode_job(b'{"job_id": "a", "prompt": "p"}')
     assert job.stream is False and job.priority == 0 and job.model is None and job.metadata is None
     s = job.sampling
-    assert (s.max_tokens, s.min_tokens, s.temperature, s.top_p, s.top_k, s.min_p) == (256, 0, 1.0, 1.0, 0, 0.0)
+    assert (s.max_tokens, s.min_tokens, s.temperature, s.top_p, s.top_k, s.min_p) == (
+        256,
+        0,
+        1.0,
+        1.0,
+        0,
+        0.0,
+    )
     assert (s.repetition_penalty, s.presence_penalty, s.frequency_penalty) == (1.0, 0.0, 0.0)
     assert s.seed is None and s.stop == [] and s.stop_token_ids == [] and s.ignore_eos is False
     assert s.logprobs is None

@@ -46,8 +46,17 @@ def rejected(obj) -> JobDecodeError:
 
 def test_chat_line_maps_every_supported_field():
     job = job_from_openai_batch_line(
-        chat(max_tokens=32, temperature=0.7, top_p=0.9, stop="END", seed=7, presence_penalty=0.5,
-             frequency_penalty=-0.5, logprobs=True, top_logprobs=3)
+        chat(
+            max_tokens=32,
+            temperature=0.7,
+            top_p=0.9,
+            stop="END",
+            seed=7,
+            presence_penalty=0.5,
+            frequency_penalty=-0.5,
+            logprobs=True,
+            top_logprobs=3,
+        )
     )
     assert job.job_id == "req-1" and job.model == "tiny-llama"
     assert [m.model_dump() for m in job.messages] == HI
@@ -79,14 +88,20 @@ def test_completions_prompt_forms(prompt, field, value):
 
 def test_bytes_and_str_lines_are_accepted():
     raw = json.dumps(chat(max_tokens=3))
-    assert job_from_openai_batch_line(raw) == job_from_openai_batch_line(raw.encode()) == parse_input_line(raw.encode())
+    assert (
+        job_from_openai_batch_line(raw)
+        == job_from_openai_batch_line(raw.encode())
+        == parse_input_line(raw.encode())
+    )
 
 
 def test_max_completion_tokens():
     assert job_from_openai_batch_line(chat(max_completion_tokens=12)).sampling.max_tokens == 12
     assert job_from_openai_batch_line(chat(max_completion_tokens=12, max_tokens=12)).sampling.max_tokens == 12
     assert job_from_openai_batch_line(chat(max_completion_tokens=None, max_tokens=9)).sampling.max_tokens == 9
-    assert "both given with different values" in rejected(chat(max_completion_tokens=12, max_tokens=10)).message
+    assert (
+        "both given with different values" in rejected(chat(max_completion_tokens=12, max_tokens=10)).message
+    )
 
 
 def test_absent_max_tokens_uses_the_tokenmill_default():
@@ -104,7 +119,9 @@ def test_chat_logprobs():
 
 
 def test_nulls_mean_defaults():
-    job = job_from_openai_batch_line(chat(temperature=None, stop=None, seed=None, n=None, stream=None, model=None))
+    job = job_from_openai_batch_line(
+        chat(temperature=None, stop=None, seed=None, n=None, stream=None, model=None)
+    )
     assert job.sampling.temperature == 1.0 and job.sampling.stop == [] and job.model is None
 
 
@@ -114,22 +131,33 @@ def test_vllm_extensions():
     )
     s = job.sampling
     assert (s.top_k, s.min_p, s.repetition_penalty, s.min_tokens, s.stop_token_ids, s.ignore_eos) == (
-        20, 0.05, 1.1, 2, [7], True)
+        20,
+        0.05,
+        1.1,
+        2,
+        [7],
+        True,
+    )
 
 
 def test_developer_role_and_text_parts():
     job = job_from_openai_batch_line(
-        chat(messages=[
-            {"role": "developer", "content": "be brief"},
-            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
-        ])
+        chat(
+            messages=[
+                {"role": "developer", "content": "be brief"},
+                {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+            ]
+        )
     )
     assert [(m.role, m.content) for m in job.messages] == [("system", "be brief"), ("user", "a\nb")]
 
 
 def test_harmless_fields_are_ignored():
     base = job_from_openai_batch_line(chat())
-    assert job_from_openai_batch_line(chat(user="u1", store=False, metadata={"k": "v"}, service_tier="auto")) == base
+    assert (
+        job_from_openai_batch_line(chat(user="u1", store=False, metadata={"k": "v"}, service_tier="auto"))
+        == base
+    )
 
 
 @pytest.mark.parametrize(
@@ -156,10 +184,18 @@ def test_harmless_fields_are_ignored():
         (comp(prompt=""), "body.prompt: must not be empty"),
         (comp(prompt=[]), "body.prompt: must not be empty"),
         (comp(prompt=[1, -2]), "body.prompt[1]: must be >= 0"),
-        (chat(messages=[{"role": "tool", "content": "x", "tool_call_id": "t"}]), "body.messages[0].role: must be one of"),
-        (chat(messages=[{"role": "user", "content": "x", "name": "bob"}]), "body.messages[0].name: unknown field"),
-        (chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
-         "body.messages[0].content[0]: only text parts are supported"),
+        (
+            chat(messages=[{"role": "tool", "content": "x", "tool_call_id": "t"}]),
+            "body.messages[0].role: must be one of",
+        ),
+        (
+            chat(messages=[{"role": "user", "content": "x", "name": "bob"}]),
+            "body.messages[0].name: unknown field",
+        ),
+        (
+            chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
+            "body.messages[0].content[0]: only text parts are supported",
+        ),
         (chat(max_tokens=0), "body.max_tokens: must be >= 1"),
         (chat(max_completion_tokens="10"), "body.max_completion_tokens: must be an integer"),
         (chat(temperature=-1), "body.temperature: must be >= 0"),
@@ -167,7 +203,10 @@ def test_harmless_fields_are_ignored():
         (chat(seed=1.5), "body.seed: must be an integer"),
         (chat(model=""), "body.model: must not be empty"),
         (line({"messages": HI}, method="GET"), "method: must be 'POST'"),
-        (line({"input": "x"}, url="/v1/embeddings"), "url: must be one of /v1/chat/completions, /v1/completions"),
+        (
+            line({"input": "x"}, url="/v1/embeddings"),
+            "url: must be one of /v1/chat/completions, /v1/completions",
+        ),
         (line({"messages": HI}, extra_field=1), "extra_field: unknown field"),
         ({"custom_id": "req-1", "method": "POST", "url": CHAT, "body": "x"}, "body: must be an object"),
         ({"custom_id": "req-1", "body": {"messages": HI}}, "method: required; url: required"),
@@ -191,8 +230,14 @@ def test_bad_custom_id():
 
 def result(**patch) -> Result:
     base = {
-        "job_id": "req-1", "status": "ok", "text": "Bonjour", "token_ids": [5, 6], "finish_reason": "length",
-        "model": "tiny-llama", "worker": "w1", "attempt": "w1-abc",
+        "job_id": "req-1",
+        "status": "ok",
+        "text": "Bonjour",
+        "token_ids": [5, 6],
+        "finish_reason": "length",
+        "model": "tiny-llama",
+        "worker": "w1",
+        "attempt": "w1-abc",
         "usage": {"prompt_tokens": 9, "completion_tokens": 2, "cached_prompt_tokens": 4},
         "timing": {"queue_ms": 1.0, "ttft_ms": 2.0, "decode_ms": 3.0, "total_ms": 5.0},
     }
@@ -200,8 +245,15 @@ def result(**patch) -> Result:
 
 
 LOGPROBS = [
-    {"token_id": 5, "token": "Bon", "logprob": -0.5,
-     "top_logprobs": [{"token_id": 5, "token": "Bon", "logprob": -0.5}, {"token_id": 9, "token": "Sa", "logprob": None}]},
+    {
+        "token_id": 5,
+        "token": "Bon",
+        "logprob": -0.5,
+        "top_logprobs": [
+            {"token_id": 5, "token": "Bon", "logprob": -0.5},
+            {"token_id": 9, "token": "Sa", "logprob": None},
+        ],
+    },
     {"token_id": 6, "token": "jour", "logprob": -0.25, "top_logprobs": []},
 ]
 
@@ -215,12 +267,20 @@ def test_chat_output_line():
     body = resp["body"]
     assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
     assert body["created"] == 1_700_000_000 and body["model"] == "tiny-llama"
-    assert body["choices"] == [{
-        "index": 0, "message": {"role": "assistant", "content": "Bonjour", "refusal": None},
-        "logprobs": None, "finish_reason": "length",
-    }]
-    assert body["usage"] == {"prompt_tokens": 9, "completion_tokens": 2, "total_tokens": 11,
-                             "prompt_tokens_details": {"cached_tokens": 4}}
+    assert body["choices"] == [
+        {
+            "index": 0,
+            "message": {"role": "assistant", "content": "Bonjour", "refusal": None},
+            "logprobs": None,
+            "finish_reason": "length",
+        }
+    ]
+    assert body["usage"] == {
+        "prompt_tokens": 9,
+        "completion_tokens": 2,
+        "total_tokens": 11,
+        "prompt_tokens_details": {"cached_tokens": 4},
+    }
 
 
 def test_completions_output_line():
@@ -234,24 +294,37 @@ def test_output_logprobs_in_both_shapes():
     r = result(logprobs=LOGPROBS)
     chat_lp = openai_batch_output_line(r, CHAT, created=1)["response"]["body"]["choices"][0]["logprobs"]
     assert chat_lp["content"][0] == {
-        "token": "Bon", "logprob": -0.5, "bytes": [66, 111, 110],
-        "top_logprobs": [{"token": "Bon", "logprob": -0.5, "bytes": [66, 111, 110]},
-                         {"token": "Sa", "logprob": -9999.0, "bytes": [83, 97]}],
+        "token": "Bon",
+        "logprob": -0.5,
+        "bytes": [66, 111, 110],
+        "top_logprobs": [
+            {"token": "Bon", "logprob": -0.5, "bytes": [66, 111, 110]},
+            {"token": "Sa", "logprob": -9999.0, "bytes": [83, 97]},
+        ],
     }
     assert chat_lp["content"][1]["top_logprobs"] == [] and chat_lp["refusal"] is None
     comp_lp = openai_batch_output_line(r, COMP, created=1)["response"]["body"]["choices"][0]["logprobs"]
     assert comp_lp == {
-        "tokens": ["Bon", "jour"], "token_logprobs": [-0.5, -0.25],
-        "top_logprobs": [{"Bon": -0.5, "Sa": -9999.0}, {}], "text_offset": [0, 3],
+        "tokens": ["Bon", "jour"],
+        "token_logprobs": [-0.5, -0.25],
+        "top_logprobs": [{"Bon": -0.5, "Sa": -9999.0}, {}],
+        "text_offset": [0, 3],
     }
 
 
-@pytest.mark.parametrize("code,status,kind", [
-    ("invalid_job", 400, "invalid_request_error"), ("prompt_too_long", 400, "invalid_request_error"),
-    ("model_mismatch", 400, "invalid_request_error"), ("internal", 500, "server_error"),
-])
+@pytest.mark.parametrize(
+    "code,status,kind",
+    [
+        ("invalid_job", 400, "invalid_request_error"),
+        ("prompt_too_long", 400, "invalid_request_error"),
+        ("model_mismatch", 400, "invalid_request_error"),
+        ("internal", 500, "server_error"),
+    ],
+)
 def test_error_output_line(code, status, kind):
-    r = result(status="error", text="", token_ids=[], finish_reason=None, error={"code": code, "message": "why"})
+    r = result(
+        status="error", text="", token_ids=[], finish_reason=None, error={"code": code, "message": "why"}
+    )
     out = openai_batch_output_line(r, None)
     assert out["error"] is None
     assert out["response"]["status_code"] == status

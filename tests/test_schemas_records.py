@@ -16,10 +16,23 @@ from schemas import (
     format_validation_error,
 )
 
-EVENT = {"job_id": "row-000017", "attempt": "w3-7f2c", "index": 0, "token_ids": [1012, 318], "text": "Bon", "finished": False}
+EVENT = {
+    "job_id": "row-000017",
+    "attempt": "w3-7f2c",
+    "index": 0,
+    "token_ids": [1012, 318],
+    "text": "Bon",
+    "finished": False,
+}
 RESULT = {
-    "job_id": "row-000017", "status": "ok", "text": "Bonjour", "token_ids": [1012, 318, 29889],
-    "finish_reason": "stop", "model": "tiny-llama", "worker": "w3", "attempt": "w3-7f2c",
+    "job_id": "row-000017",
+    "status": "ok",
+    "text": "Bonjour",
+    "token_ids": [1012, 318, 29889],
+    "finish_reason": "stop",
+    "model": "tiny-llama",
+    "worker": "w3",
+    "attempt": "w3-7f2c",
     "usage": {"prompt_tokens": 9, "completion_tokens": 3, "cached_prompt_tokens": 0},
     "timing": {"queue_ms": 12.0, "ttft_ms": 40.1, "decode_ms": 22.9, "total_ms": 75.0},
     "source": {"topic": "tokenmill.jobs", "partition": 2, "offset": 1881},
@@ -63,7 +76,12 @@ def test_token_event_rules(patch, ok, expected):
 
 def error_result(**patch):
     base = {k: v for k, v in RESULT.items() if k not in ("text", "token_ids", "finish_reason")}
-    return {**base, "status": "error", "error": {"code": "prompt_too_long", "message": "9000 tokens > 4096"}, **patch}
+    return {
+        **base,
+        "status": "error",
+        "error": {"code": "prompt_too_long", "message": "9000 tokens > 4096"},
+        **patch,
+    }
 
 
 @pytest.mark.parametrize(
@@ -80,15 +98,36 @@ def error_result(**patch):
         (error_result(error={"code": "internal", "message": ""}), False, "error.message: must not be empty"),
         (error_result(error=None), False, "status error needs an error"),
         (error_result(finish_reason="stop"), False, "status error has no finish_reason"),
-        ({**RESULT, "error": {"code": "internal", "message": "m"}}, False, "status ok must not carry an error"),
+        (
+            {**RESULT, "error": {"code": "internal", "message": "m"}},
+            False,
+            "status ok must not carry an error",
+        ),
         (error_result(status="expired", error=None), True, None),
         (error_result(status="expired"), False, "status expired must not carry an error"),
         ({**RESULT, "usage": {"prompt_tokens": -1}}, False, "usage.prompt_tokens: must be >= 0"),
         ({**RESULT, "timing": {"ttft_ms": -0.5}}, False, "timing.ttft_ms: must be >= 0"),
-        ({**RESULT, "source": {"topic": "t", "partition": -1, "offset": 0}}, False, "source.partition: must be >= 0"),
+        (
+            {**RESULT, "source": {"topic": "t", "partition": -1, "offset": 0}},
+            False,
+            "source.partition: must be >= 0",
+        ),
         ({**RESULT, "source": None}, True, None),
-        ({**RESULT, "logprobs": [{"token_id": 1, "token": "a", "logprob": -0.1,
-                                  "top_logprobs": [{"token_id": 2, "token": "b", "logprob": None}]}]}, True, None),
+        (
+            {
+                **RESULT,
+                "logprobs": [
+                    {
+                        "token_id": 1,
+                        "token": "a",
+                        "logprob": -0.1,
+                        "top_logprobs": [{"token_id": 2, "token": "b", "logprob": None}],
+                    }
+                ],
+            },
+            True,
+            None,
+        ),
         ({**RESULT, "logprobs": [{"token_id": 1, "token": "a"}]}, False, "logprobs[0].logprob: required"),
     ],
 )
@@ -115,10 +154,15 @@ def test_readers_ignore_fields_added_by_newer_workers():
 
 def test_dead_letter_headers():
     assert DEAD_LETTER_HEADERS == (
-        "tokenmill.error.code", "tokenmill.error.message", "tokenmill.source.topic",
-        "tokenmill.source.partition", "tokenmill.source.offset",
+        "tokenmill.error.code",
+        "tokenmill.error.message",
+        "tokenmill.source.topic",
+        "tokenmill.source.partition",
+        "tokenmill.source.offset",
     )
-    headers = dead_letter_headers("invalid_job", "prompt: must not be empty", topic="tokenmill.jobs", partition=3, offset=42)
+    headers = dead_letter_headers(
+        "invalid_job", "prompt: must not be empty", topic="tokenmill.jobs", partition=3, offset=42
+    )
     assert headers == [
         ("tokenmill.error.code", b"invalid_job"),
         ("tokenmill.error.message", b"prompt: must not be empty"),

@@ -61,7 +61,9 @@ def job_to_engine_request(
     return EngineRequest(
         request_id=job.job_id if request_id is None else request_id,
         prompt=job.prompt,
-        messages=None if job.messages is None else [{"role": m.role, "content": m.content} for m in job.messages],
+        messages=None
+        if job.messages is None
+        else [{"role": m.role, "content": m.content} for m in job.messages],
         prompt_token_ids=None if job.prompt_token_ids is None else list(job.prompt_token_ids),
         sampling=sampling,
         priority=job.priority,
@@ -134,7 +136,9 @@ def build_result(
     a truncated logprob list must not pass as a complete one.
     """
     if not delta.finished or delta.finish_reason is None:
-        raise ValueError(f"request {delta.request_id}: a Result needs the final delta (finished with a reason)")
+        raise ValueError(
+            f"request {delta.request_id}: a Result needs the final delta (finished with a reason)"
+        )
     reason = FinishReason(delta.finish_reason)
     usage = delta.usage
     timing = delta.timing
@@ -163,7 +167,9 @@ def build_result(
     }
     if reason in (FinishReason.STOP, FinishReason.LENGTH):
         if delta.output_token_ids is None or delta.output_text is None:
-            raise ValueError(f"request {delta.request_id}: the final delta lacks output_token_ids/output_text")
+            raise ValueError(
+                f"request {delta.request_id}: the final delta lacks output_token_ids/output_text"
+            )
         token_ids = [int(t) for t in delta.output_token_ids]
         records = None
         if job.sampling.logprobs is not None:

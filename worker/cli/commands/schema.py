@@ -14,7 +14,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Print the JSON Schema (draft 2020-12) of a wire record. 'all' prints one JSON "
         "object keyed by record name.",
     )
-    parser.add_argument("record", nargs="?", default="all", choices=CHOICES, help="which record (default: all)")
+    parser.add_argument(
+        "record", nargs="?", default="all", choices=CHOICES, help="which record (default: all)"
+    )
     parser.set_defaults(func=run)
 
 
