@@ -1,0 +1,86 @@
+"""`tokenmill run-batch`: one output line per input line, in order; broken lines get error Results."""
+
+import json
+
+import pytest
+
+from worker.cli import main
+
+BROKEN = {
+    7: "{this is not json",
+    23: {"custom_id": "bad-n", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"messages": [{"role": "user", "content": "hi"}], "n": 2}},
+    41: {"custom_id": "bad-max", "method": "POST", "url": "/v1/completions",
+         "body": {"prompt": "hello", "max_tokens": 0}},
+    66: {"custom_id": "bad-model", "method": "POST", "url": "/v1/completions",
+         "body": {"model": "some-other-model", "prompt": "hello", "max_tokens": 3}},
+    90: {"custom_id": "bad-field", "method": "POST", "url": "/v1/completions",
+         "body": {"prompt": "hello", "max_tokens": 3}, "priority_boost": 1},
+}
+
+
+def good_line(i, model):
+    if i % 2:
+        body = {"model": model, "messages": [{"role": "user", "content": f"question number {i}"}],
+                "max_tokens": 1 + i % 5, "temperature": 0}
+        url = "/v1/chat/completions"
+    else:
+        body = {"model": model, "prompt": f"the model said {i} times", "max_tokens": 1 + i % 4,
+                "temperature": 0.7, "seed": i}
+        url = "/v1/completions"
+    return {"custom_id": f"req-{i}", "method": "POST", "url": url, "body": body}
+
+
+@pytest.fixture(scope="module")
+def batch_file(tmp_path_factory, tiny_qwen2_dir):
+    path = tmp_path_factory.mktemp("batch") / "in.jsonl"
+    model = tiny_qwen2_dir.name
+    with open(path, "w") as f:
+        for i in range(100):
+            line = BROKEN.get(i, good_line(i, model))
+            f.write((line if isinstance(line, str) else json.dumps(line)) + "\n")
+    return path
+
+
+def run_batch(tmp_path, model_dir, batch_file, fmt):
+    out = tmp_path / f"out-{fmt}.jsonl"
+    code = main(["run-batch", "--model", str(model_dir), str(batch_file), str(out), "--output-format", fmt,
+                 "--kv-cache-gb", "0.02", "--max-num-seqs", "16", "--no-progress"])
+    assert code == 0
+    return [json.loads(line) for line in out.read_text().splitlines()]
+
+
+def test_openai_file_with_broken_lines_tokenmill_output(tmp_path, tiny_qwen2_dir, batch_file):
+    results = run_batch(tmp_path, tiny_qwen2_dir, batch_file, "tokenmill")
+    assert len(results) == 100
+    ok = [r for r in results if r["status"] == "ok"]
+    errors = [r for r in results if r["status"] == "error"]
+    assert len(ok) == 95 and len(errors) == 5
+    # Input order is kept; custom_id becomes job_id.
+    for i, r in enumerate(results):
+        if i in BROKEN:
+            assert r["status"] == "error"
+            assert r["error"]["code"] in ("invalid_job", "model_mismatch") and r["error"]["message"]
+        else:
+            assert r["job_id"] == f"req-{i}"
+            assert r["usage"]["completion_tokens"] >= 1 and len(r["token_ids"]) == r["usage"]["completion_tokens"]
+            assert r["finish_reason"] in ("stop", "length")
+    by_id = {r["job_id"]: r for r in errors}
+    assert results[7]["job_id"] == "line-8"  # unreadable line: named by its line number
+    assert "n" in by_id["bad-n"]["error"]["message"]
+    assert "max_tokens" in by_id["bad-max"]["error"]["message"]
+    assert by_id["bad-model"]["error"]["code"] == "model_mismatch"
+    assert "priority_boost" in by_id["bad-field"]["error"]["message"]
+
+
+def test_openai_output_format(tmp_path, tiny_qwen2_dir, batch_file):
+    lines = run_batch(tmp_path, tiny_qwen2_dir, batch_file, "openai")
+    assert len(lines) == 100
+    assert [ln["custom_id"] for ln in lines if ln["custom_id"].startswith("req-")] == [
+        f"req-{i}" for i in range(100) if i not in BROKEN
+    ]
+    ok = [ln for ln in lines if ln["response"] and ln["response"]["status_code"] == 200]
+    assert len(ok) == 95
+    chat = next(ln for ln in ok if ln["custom_id"] == "req-1")
+    assert chat["response"]["body"]["choices"][0]["message"]["role"] == "assistant"
+    assert sum(1 for ln in lines if ln["response"] and ln["response"]["status_code"] == 400) == 5
