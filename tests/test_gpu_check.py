@@ -34,7 +34,8 @@ def test_dry_run_writes_a_complete_report_without_kafka_pydantic_or_boto3(tmp_pa
     assert sections["copy_bandwidth"]["bytes_per_s"] > 0
     assert all(r["fraction_of_copy"] > 0 for r in sections["attention"]["runs"])
     assert [r["batch"] for r in sections["decode_step"]["runs"]] == [2, 4]
-    assert all(r["step_ms"] > 0 and r["roofline_ms"] > 0 for r in sections["decode_step"]["runs"])
+    assert all(r["step_ms"] > 0 and r["roofline_ms"] > 0 and r["graph_step_ms"] > 0
+               for r in sections["decode_step"]["runs"])
     mixed = sections["mixed"]
     assert mixed["engine_output_tok_s"] > 0 and mixed["baseline_output_tok_s"] > 0 and mixed["baseline_batch"] in (2, 4)
     thr = sections["throughput"]

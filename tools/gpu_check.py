@@ -344,6 +344,7 @@ def section_decode_step(ctx: Context) -> dict:
     import torch
 
     from worker.engine.attention import AttentionMetadata
+    from worker.engine.cuda_graphs import DecodeGraphRunner
 
     copy_bw = ctx.copy_bandwidth()
     model, config = _load_engine_model(ctx)
@@ -378,9 +379,19 @@ def section_decode_step(ctx: Context) -> dict:
         ms = time_ms(step, ctx.device, iters=ctx.sizes.bench_iters)
         step_bytes = weights + batch * seq_len * kv_bytes_per_token
         roofline_ms = step_bytes / copy_bw * 1e3
-        runs.append(dict(batch=batch, context=ctx.sizes.decode_context, step_ms=ms, roofline_ms=roofline_ms,
-                         roofline_over_step=roofline_ms / ms, bytes_per_step=step_bytes,
-                         tokens_per_s=batch / (ms / 1e3)))
+        run = dict(batch=batch, context=ctx.sizes.decode_context, step_ms=ms, roofline_ms=roofline_ms,
+                   roofline_over_step=roofline_ms / ms, bytes_per_step=step_bytes, tokens_per_s=batch / (ms / 1e3))
+        # The same step replayed as a CUDA graph (on the CPU: the runner's eager padded path).
+        try:
+            graphs = DecodeGraphRunner(model, kv_caches, max_blocks_per_seq=blocks_per_seq, batch_sizes=(batch,))
+            graphs.capture()
+            graph_ms = time_ms(lambda: graphs.run(input_ids, positions, meta), ctx.device, iters=ctx.sizes.bench_iters)
+            run.update(graph_step_ms=graph_ms, graph_roofline_over_step=roofline_ms / graph_ms,
+                       graph_tokens_per_s=batch / (graph_ms / 1e3))
+            del graphs
+        except Exception as exc:
+            run["graph_error"] = f"{type(exc).__name__}: {exc}"
+        runs.append(run)
         del kv_caches
     del model
     return dict(weight_bytes=weights, kv_bytes_per_token=kv_bytes_per_token, runs=runs)
@@ -607,11 +618,14 @@ def markdown_report(report: dict) -> str:
             lines.append(f"| {r['label']} | {_fmt(r['ms'])} | {_fmt(r['bytes_per_s'] / 1e9)} | {_fmt(r['fraction_of_copy'])} |")
     d = s.get("decode_step", {})
     if d.get("runs"):
-        lines += ["", "## decode step (~1B Llama)", "", "| batch | step ms | roofline ms | roofline / step | tok/s |",
-                  "|---|---|---|---|---|"]
+        lines += ["", "## decode step (~1B Llama)", "",
+                  "| batch | step ms | roofline ms | roofline / step | tok/s | graph step ms | roofline / graph step |",
+                  "|---|---|---|---|---|---|---|"]
         for r in d["runs"]:
+            graph = (f"{_fmt(r['graph_step_ms'])} | {_fmt(r['graph_roofline_over_step'])}" if "graph_step_ms" in r
+                     else f"{r.get('graph_error', '')[:120]} | ")
             lines.append(f"| {r['batch']} | {_fmt(r['step_ms'])} | {_fmt(r['roofline_ms'])} | "
-                         f"{_fmt(r['roofline_over_step'])} | {_fmt(r['tokens_per_s'])} |")
+                         f"{_fmt(r['roofline_over_step'])} | {_fmt(r['tokens_per_s'])} | {graph} |")
     for name, res in s.items():
         if not res.get("ok") and res.get("error"):
             lines += ["", f"## {name} failed", "", "```", res.get("traceback", res["error"]).strip()[-3000:], "```"]
