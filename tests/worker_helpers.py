@@ -168,7 +168,9 @@ def worker_settings(bootstrap: str, topics: Topics, model_dir: str, **over):
 async def running_worker(settings, engine):
     """An in-process KafkaWorker on a shared engine; stopped (drained) on exit."""
     from worker.kafka.consumer import KafkaWorker
+    from worker.logging import configure_logging
 
+    configure_logging("WARNING")
     w = KafkaWorker(settings, engine=engine)
     task = asyncio.create_task(w.run(install_signal_handlers=False))
     try:

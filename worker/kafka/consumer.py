@@ -443,9 +443,9 @@ class KafkaWorker:
                 log, outcome=("dead_letter", err.code),
             )
             return True
+        self._guard(None)
         log = job_log(self.log, job.job_id, tp.partition, rec.offset)
         if job.deadline_ms is not None and job.deadline_ms <= time.time() * 1000:
-            self._guard(None)
             result = answers.expired_result(
                 job, model=self.served_model_name, worker=self.s.worker_name, attempt=attempt, source=source
             )
@@ -568,8 +568,10 @@ class KafkaWorker:
         if result.status == "error":
             # A job that cannot run here (prompt too long) is dead-lettered like other bad input.
             code = result.error.code
-            # The guard counts each decodable input once, when its outcome is known.
-            self._guard(code if code in (ERROR_PROMPT_TOO_LONG, ERROR_INVALID_JOB) else None)
+            # Counted as good when it decoded; the engine found it bad after all, so it is
+            # counted once more as bad (the guard errs towards stopping, never towards missing).
+            if code in (ERROR_PROMPT_TOO_LONG, ERROR_INVALID_JOB):
+                self._guard(code)
             records.insert(
                 0,
                 answers.dead_letter(
@@ -579,8 +581,6 @@ class KafkaWorker:
                     if self._dlq_partitions and job.tp.partition < self._dlq_partitions else None,
                 ),
             )
-        else:
-            self._guard(None)
         if result.status == "ok" and delta.timing is not None:
             self.metrics.ttft.observe(delta.timing.ttft_ms)
             n = len(result.token_ids)
