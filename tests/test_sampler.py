@@ -56,16 +56,16 @@ def reference_distribution(row: torch.Tensor, inp: SamplingInputs) -> list[float
         kth = sorted(x, reverse=True)[p.top_k - 1]
         x = [NEG_INF if v < kth else v for v in x]
     if p.top_p < 1.0:
+        # Walk down the distribution while the mass so far is below top_p; every token whose logit
+        # reaches the last one walked over stays (ties included).
         probs = softmax(x)
-        order = sorted(range(len(x)), key=lambda t: (-x[t], t))
-        mass = 0.0
-        keep = set()
-        for t in order:
-            if mass >= p.top_p and keep:
+        mass, cutoff = 0.0, None
+        for t in sorted(range(len(x)), key=lambda t: -x[t]):
+            if mass >= p.top_p:
                 break
-            keep.add(t)
+            cutoff = x[t]
             mass += probs[t]
-        x = [v if t in keep else NEG_INF for t, v in enumerate(x)]
+        x = [v if v >= cutoff else NEG_INF for v in x]
     return softmax(x)
 
 
@@ -344,3 +344,53 @@ def test_bad_input_is_a_clear_error():
     bad = SamplingInputs(SamplingParams(repetition_penalty=1.2), [VOCAB + 3], [1], EOS)
     with pytest.raises(ValueError, match="prompt token ids"):
         Sampler()(random_logits(1), [bad])
+
+
+# -- truncation details -------------------------------------------------------------------------
+
+
+def test_ties_at_the_top_k_and_top_p_boundary_are_kept():
+    # Logits on a coarse grid (like bf16 logits), so ties are everywhere.
+    g = torch.Generator().manual_seed(12)
+    logits = torch.randint(-4, 5, (16, VOCAB), generator=g).float() * 0.5
+    rng = random.Random(2)
+    inputs = [
+        make_inputs(SamplingParams(temperature=1.0, seed=i, **rng.choice([dict(top_k=3), dict(top_p=0.3), dict(top_k=7, top_p=0.5)])), rng)
+        for i in range(16)
+    ]
+    dist = Sampler().distribution(logits, inputs)
+    for i, inp in enumerate(inputs):
+        assert dist[i].tolist() == pytest.approx(reference_distribution(logits[i], inp), abs=2e-6)
+        kept = dist[i] > 0
+        # Every token tied with a kept token is kept too.
+        assert torch.equal(kept, logits[i] >= logits[i][kept].min())
+        if inp.params.top_k and inp.params.top_p == 1.0:
+            assert int(kept.sum()) >= inp.params.top_k
+
+
+@pytest.mark.parametrize("candidates", [2, 8, 4096])
+def test_top_p_candidate_search_and_full_sort_fallback_agree(monkeypatch, candidates):
+    import worker.engine.sampler as sampler_module
+
+    monkeypatch.setattr(sampler_module, "TOP_P_CANDIDATES", candidates)
+    rng = random.Random(candidates)
+    # Peaked rows (the cut falls among the first candidates) and flat rows (it does not).
+    logits = torch.cat([random_logits(10, seed=1) * 4, random_logits(10, seed=2) * 0.1])
+    inputs = [make_inputs(SamplingParams(temperature=1.0, top_p=rng.choice([0.3, 0.7, 0.95]), seed=i), rng) for i in range(20)]
+    dist = Sampler().distribution(logits, inputs)
+    for i, inp in enumerate(inputs):
+        assert dist[i].tolist() == pytest.approx(reference_distribution(logits[i], inp), abs=2e-6), i
+
+
+def test_penalties_follow_a_growing_output_across_steps():
+    """The engine hands the same SamplingInputs each step with its output list growing."""
+    rng = random.Random(9)
+    params = SamplingParams(temperature=0.0, repetition_penalty=1.5, presence_penalty=0.7, frequency_penalty=0.9)
+    inp = SamplingInputs(params, [rng.randrange(VOCAB) for _ in range(10)], [], EOS)
+    sampler = Sampler()
+    for step in range(12):
+        logits = random_logits(1, seed=step) * 0.5
+        want = reference_distribution(logits[0], inp)
+        tok = sampler(logits, [inp])[0].token_id
+        assert want[tok] == 1.0
+        inp.output_token_ids.append(tok if step % 3 else 4)  # repeat a token now and then

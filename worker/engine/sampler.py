@@ -49,6 +49,8 @@ class SamplingInputs:
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]  # generated so far; its length is the step index for seeding
     eos_token_ids: Sequence[int]
+    # The prompt as a tensor, built on first use by the repetition penalty (the prompt never changes).
+    _prompt_ids: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
 
 
 @dataclass
@@ -111,23 +113,20 @@ class Sampler:
         logits = self._check(logits, inputs)
         if self._fast_path_ok(inputs):
             return [SampledToken(t) for t in logits.argmax(dim=1).tolist()]
-
-        token_ids = self._sample(self._process(logits, inputs), inputs)
+        processed = self._process(logits, inputs)
+        token_ids = self._sample(processed, inputs, logits.shape[0], logits.device)
         return self._with_logprobs(logits, token_ids, inputs)
 
     # -- public helper (tests, debugging) --------------------------------------------------------
 
     def distribution(self, logits: torch.Tensor, inputs: Sequence[SamplingInputs]) -> torch.Tensor:
-        """The probabilities each row is drawn from [N, V]; a greedy row is one-hot on its argmax."""
+        """The probabilities each row is drawn from [N, V]; a greedy row is one-hot on its choice."""
         logits = self._check(logits, inputs)
         processed = self._process(logits, inputs)
-        probs = torch.zeros_like(processed.logits)
-        if processed.greedy_rows.numel():
-            choice = processed.logits[processed.greedy_rows].argmax(dim=1, keepdim=True)
-            probs[processed.greedy_rows] = torch.zeros_like(processed.logits[processed.greedy_rows]).scatter_(
-                1, choice, 1.0
-            )
-        if processed.random_rows.numel():
+        probs = torch.zeros_like(logits)
+        if processed.greedy_choice is not None:
+            probs[processed.greedy_rows, processed.greedy_choice] = 1.0
+        if processed.random_probs is not None:
             probs[processed.random_rows] = processed.random_probs
         return probs
 
@@ -139,7 +138,8 @@ class Sampler:
             raise ValueError(f"logits must be [num_rows, vocab_size], got shape {tuple(logits.shape)}")
         if logits.shape[0] != len(inputs):
             raise ValueError(f"{logits.shape[0]} logits rows but {len(inputs)} sampling inputs")
-        return logits if logits.dtype == torch.float32 else logits.float()
+        # Contiguous float32, so masks and penalties can be written through a flat view.
+        return logits.float().contiguous()
 
     @staticmethod
     def _fast_path_ok(inputs: Sequence[SamplingInputs]) -> bool:
@@ -155,99 +155,44 @@ class Sampler:
         return True
 
     def _process(self, logits: torch.Tensor, inputs: Sequence[SamplingInputs]) -> _Processed:
-        """Masks, penalties and truncation; returns what greedy and random rows choose from."""
-        logits = logits.clone()  # the raw logits stay intact for logprobs
+        """Masks, penalties and truncation; returns each greedy row's choice and the random rows' probs.
+
+        min_tokens masks and penalties touch few (row, token) positions, so they are written into
+        the logits in place and the original values put back afterwards: no [N, V] copy.
+        """
         device = logits.device
-        vocab = logits.shape[1]
-
-        self._mask_min_tokens(logits, inputs)
-        self._apply_penalties(logits, inputs)
-
         greedy = [i for i, inp in enumerate(inputs) if is_greedy(inp.params)]
         random = [i for i, inp in enumerate(inputs) if not is_greedy(inp.params)]
         greedy_rows = torch.tensor(greedy, dtype=torch.long, device=device)
         random_rows = torch.tensor(random, dtype=torch.long, device=device)
-        random_probs = None
-        if random:
-            params = [inputs[i].params for i in random]
-            x = logits[random_rows]
-            temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
-            x.div_(temps.unsqueeze(1))
-            if any(p.min_p > 0 for p in params):
-                min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
-                probs = torch.softmax(x, dim=1)
-                threshold = probs.amax(dim=1, keepdim=True) * min_p.unsqueeze(1)
-                x.masked_fill_(probs < threshold, float("-inf"))
-            if any(0 < p.top_k < vocab or p.top_p < 1.0 for p in params):
-                _apply_top_k_top_p(x, params)
-            random_probs = torch.softmax(x, dim=1)
-        return _Processed(logits, greedy_rows, random_rows, random_probs)
+        greedy_choice = random_probs = None
 
-    @staticmethod
-    def _mask_min_tokens(logits: torch.Tensor, inputs: Sequence[SamplingInputs]) -> None:
-        vocab = logits.shape[1]
-        rows: list[int] = []
-        cols: list[int] = []
-        for i, inp in enumerate(inputs):
-            # Ids outside the vocabulary can never be sampled, so there is nothing to mask for them.
-            blocked = [t for t in _min_tokens_blocked_ids(inp) if 0 <= t < vocab]
-            rows.extend([i] * len(blocked))
-            cols.extend(blocked)
-        if rows:
-            device = logits.device
-            logits[torch.tensor(rows, device=device), torch.tensor(cols, device=device)] = float("-inf")
+        flat = logits.view(-1)
+        positions, values = _edits(logits, inputs)
+        saved = flat[positions] if positions is not None else None
+        try:
+            if positions is not None:
+                flat[positions] = values
+            if greedy:
+                rows = logits if len(greedy) == len(inputs) else logits[greedy_rows]
+                greedy_choice = rows.argmax(dim=1)
+            if random:
+                params = [inputs[i].params for i in random]
+                temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
+                rows = logits if len(random) == len(inputs) else logits[random_rows]
+                x = rows / temps.unsqueeze(1)  # a new tensor: truncation below may write into it
+                random_probs = _truncated_probs(x, params)
+        finally:
+            if positions is not None:
+                flat[positions] = saved
+        return _Processed(greedy_rows, greedy_choice, random_rows, random_probs)
 
-    @staticmethod
-    def _apply_penalties(logits: torch.Tensor, inputs: Sequence[SamplingInputs]) -> None:
-        rows = [i for i, inp in enumerate(inputs) if _has_penalties(inp.params)]
-        if not rows:
-            return
-        device = logits.device
-        vocab = logits.shape[1]
-        sub = [inputs[i] for i in rows]
-        m = len(rows)
-        row_index = torch.tensor(rows, dtype=torch.long, device=device)
-        x = logits[row_index]
-
-        # Output token counts [m, V], built with one scatter_add over the flattened output ids.
-        out_lens = torch.tensor([len(s.output_token_ids) for s in sub], dtype=torch.long)
-        out_ids = torch.tensor(list(itertools.chain.from_iterable(s.output_token_ids for s in sub)), dtype=torch.long)
-        _check_ids(out_ids, vocab, "output")
-        counts = torch.zeros(m, vocab, dtype=torch.float32, device=device)
-        if out_ids.numel():
-            flat = torch.repeat_interleave(torch.arange(m), out_lens) * vocab + out_ids
-            counts.view(-1).scatter_add_(0, flat.to(device), torch.ones(flat.numel(), device=device))
-
-        rep = torch.tensor([s.params.repetition_penalty for s in sub], dtype=torch.float32, device=device)
-        if bool((rep != 1.0).any()):
-            # Seen = in the prompt or the output, only for rows that use the repetition penalty.
-            rep_subrows = [j for j, s in enumerate(sub) if s.params.repetition_penalty != 1.0]
-            prompt_lens = torch.tensor([len(sub[j].prompt_token_ids) for j in rep_subrows], dtype=torch.long)
-            prompt_ids = torch.tensor(
-                list(itertools.chain.from_iterable(sub[j].prompt_token_ids for j in rep_subrows)), dtype=torch.long
-            )
-            _check_ids(prompt_ids, vocab, "prompt")
-            seen = counts > 0
-            if prompt_ids.numel():
-                flat = torch.repeat_interleave(torch.tensor(rep_subrows), prompt_lens) * vocab + prompt_ids
-                seen.view(-1)[flat.to(device)] = True
-            r = rep.unsqueeze(1)
-            penalized = torch.where(x > 0, x / r, x * r)
-            x = torch.where(seen, penalized, x)
-
-        freq = torch.tensor([s.params.frequency_penalty for s in sub], dtype=torch.float32, device=device)
-        pres = torch.tensor([s.params.presence_penalty for s in sub], dtype=torch.float32, device=device)
-        x = x - freq.unsqueeze(1) * counts - pres.unsqueeze(1) * (counts > 0).float()
-        logits[row_index] = x
-
-    def _sample(self, processed: _Processed, inputs: Sequence[SamplingInputs]) -> torch.Tensor:
+    def _sample(self, processed: _Processed, inputs: Sequence[SamplingInputs], n: int, device) -> torch.Tensor:
         """Token id per row [N] (on the logits' device)."""
-        n = processed.logits.shape[0]
-        device = processed.logits.device
         token_ids = torch.empty(n, dtype=torch.long, device=device)
-        if processed.greedy_rows.numel():
-            token_ids[processed.greedy_rows] = processed.logits[processed.greedy_rows].argmax(dim=1)
-        if processed.random_rows.numel():
+        if processed.greedy_choice is not None:
+            token_ids[processed.greedy_rows] = processed.greedy_choice
+        if processed.random_probs is not None:
             uniforms = self._uniforms([inputs[i] for i in processed.random_rows.tolist()])
             token_ids[processed.random_rows] = _inverse_cdf(processed.random_probs, uniforms.to(device))
         return token_ids
@@ -290,10 +235,10 @@ class Sampler:
 
 @dataclass
 class _Processed:
-    logits: torch.Tensor  # [N, V] after min_tokens masks and penalties (greedy rows take the argmax)
     greedy_rows: torch.Tensor  # long [G]
+    greedy_choice: torch.Tensor | None  # long [G]: argmax after masks and penalties
     random_rows: torch.Tensor  # long [R]
-    random_probs: torch.Tensor | None  # [R, V] final distribution of the random rows
+    random_probs: torch.Tensor | None  # [R, V]: the distribution each random row is drawn from
 
 
 def _check_ids(ids: torch.Tensor, vocab: int, what: str) -> None:
@@ -301,29 +246,159 @@ def _check_ids(ids: torch.Tensor, vocab: int, what: str) -> None:
         raise ValueError(f"{what} token ids must be in [0, {vocab}); got min {int(ids.min())}, max {int(ids.max())}")
 
 
-def _apply_top_k_top_p(x: torch.Tensor, params: Sequence[SamplingParams]) -> None:
-    """Mask (in place) what top_k and top_p drop, for rows [R, V] already divided by temperature.
+def _edits(logits: torch.Tensor, inputs: Sequence[SamplingInputs]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Flat positions of the logits that min_tokens and the penalties change, with their new values.
 
-    Rows without top_k (0) or top_p (1.0) lose nothing, so each row's result does not depend on
-    which other rows share the batch.
+    Penalties only change tokens that occur in the prompt or the output, so they are computed on
+    those (row, token) pairs alone (found with one torch.unique), never densely over [N, V].
+    A position may appear twice (penalised, then masked): the later value, -inf, wins when the
+    caller writes them in order.
+    """
+    device = logits.device
+    vocab = logits.shape[1]
+    flat = logits.view(-1)
+    positions: list[torch.Tensor] = []
+    values: list[torch.Tensor] = []
+
+    penalised = [i for i, inp in enumerate(inputs) if _has_penalties(inp.params)]
+    if penalised:
+        out_pos, prompt_pos = [], []
+        for i in penalised:
+            inp = inputs[i]
+            out_pos.append(_ids_tensor(inp.output_token_ids, vocab, "output") + i * vocab)
+            if inp.params.repetition_penalty != 1.0:
+                prompt_pos.append(_prompt_ids_tensor(inp, vocab) + i * vocab)
+        out_pos_t = torch.cat(out_pos).to(device)
+        all_pos = torch.cat([out_pos_t] + [t.to(device) for t in prompt_pos])
+        unique_pos, inverse = torch.unique(all_pos, return_inverse=True)
+        # How often each (row, token) occurs in the row's output (0 for prompt-only tokens).
+        counts = torch.zeros(unique_pos.numel(), dtype=torch.float32, device=device)
+        counts.index_add_(0, inverse[: out_pos_t.numel()], torch.ones(out_pos_t.numel(), device=device))
+
+        n = len(inputs)
+        rep = torch.ones(n, dtype=torch.float32)
+        freq = torch.zeros(n, dtype=torch.float32)
+        pres = torch.zeros(n, dtype=torch.float32)
+        for i in penalised:
+            p = inputs[i].params
+            rep[i], freq[i], pres[i] = p.repetition_penalty, p.frequency_penalty, p.presence_penalty
+        row = unique_pos // vocab
+        rep, freq, pres = rep.to(device)[row], freq.to(device)[row], pres.to(device)[row]
+
+        x = flat[unique_pos]
+        # Repetition (HF/vLLM): every token seen in prompt or output; rows without it have rep == 1.
+        x = torch.where(x > 0, x / rep, x * rep)
+        # Frequency and presence (OpenAI): output tokens only.
+        x = x - freq * counts - pres * (counts > 0).float()
+        positions.append(unique_pos)
+        values.append(x)
+
+    rows: list[int] = []
+    cols: list[int] = []
+    for i, inp in enumerate(inputs):
+        # Ids outside the vocabulary can never be sampled, so there is nothing to mask for them.
+        blocked = [t for t in _min_tokens_blocked_ids(inp) if 0 <= t < vocab]
+        rows.extend([i] * len(blocked))
+        cols.extend(blocked)
+    if rows:
+        masked = torch.tensor(rows, dtype=torch.long) * vocab + torch.tensor(cols, dtype=torch.long)
+        positions.append(masked.to(device))
+        values.append(torch.full((len(rows),), float("-inf"), device=device))
+
+    if not positions:
+        return None, None
+    return torch.cat(positions), torch.cat(values)
+
+
+def _ids_tensor(ids: Sequence[int], vocab: int, what: str) -> torch.Tensor:
+    t = torch.as_tensor(ids, dtype=torch.long) if len(ids) else torch.empty(0, dtype=torch.long)
+    _check_ids(t, vocab, what)
+    return t
+
+
+def _prompt_ids_tensor(inp: SamplingInputs, vocab: int) -> torch.Tensor:
+    """The prompt ids as a tensor, built once per SamplingInputs (the prompt never changes)."""
+    cached = inp._prompt_ids
+    if cached is None:
+        cached = inp._prompt_ids = torch.unique(_ids_tensor(inp.prompt_token_ids, vocab, "prompt"))
+    return cached
+
+
+# Candidates examined for top_p before falling back to a full sort of the row.
+TOP_P_CANDIDATES = 256
+
+
+def _truncated_probs(x: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """min_p, top_k and top_p on temperature-scaled logits [R, V] (modified in place) -> probs.
+
+    Each filter keeps every token whose logit reaches a per-row threshold, so tokens tied with the
+    last kept one are all kept (HF/vLLM's top_k rule, applied to top_p too) and a row's result
+    depends only on its own logits, never on the other rows of the batch or on sort order.
     """
     device = x.device
     vocab = x.shape[1]
-    sorted_x, order = x.sort(dim=1, descending=True, stable=True)
-    ks = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device)
-    kth = sorted_x.gather(1, (ks - 1).unsqueeze(1))
-    # Ties with the k-th largest logit stay (HF/vLLM), so compare values, not positions.
-    sorted_x.masked_fill_(sorted_x < kth, float("-inf"))
-    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
-    if bool((top_p < 1.0).any()):
-        probs = torch.softmax(sorted_x, dim=1)
-        mass_before = probs.cumsum(dim=1) - probs
-        # A token stays while the mass of the tokens before it is below top_p; the first always stays.
-        # top_p == 1 rows are left alone (float rounding could otherwise drop their far tail).
-        drop = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
-        drop[:, 0] = False
-        sorted_x.masked_fill_(drop, float("-inf"))
-    x.scatter_(1, order, sorted_x)
+    neg_inf = float("-inf")
+    if any(p.min_p > 0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
+        # p_i < min_p * p_max  <=>  x_i < x_max + log(min_p): no softmax over [R, V] needed.
+        threshold = x.amax(dim=1) + torch.log(min_p)
+        x.masked_fill_(x < threshold.unsqueeze(1), neg_inf)
+
+    rows_total = len(params)
+    k_rows = [j for j, p in enumerate(params) if 0 < p.top_k < vocab]
+    top_kept = None  # the k-rows' largest logits after top_k, sorted: top_p can start from them
+    if k_rows:
+        idx = torch.tensor(k_rows, dtype=torch.long, device=device)
+        ks = torch.tensor([params[j].top_k for j in k_rows], dtype=torch.long, device=device)
+        sub = x if len(k_rows) == rows_total else x[idx]
+        top = sub.topk(int(ks.max()), dim=1).values  # sorted, largest first
+        kth = top.gather(1, (ks - 1).unsqueeze(1))
+        sub.masked_fill_(sub < kth, neg_inf)
+        if sub is not x:
+            x[idx] = sub
+        top_kept = top.masked_fill_(top < kth, neg_inf)
+
+    p_rows = [j for j, p in enumerate(params) if p.top_p < 1.0]
+    if p_rows:
+        idx = torch.tensor(p_rows, dtype=torch.long, device=device)
+        top_p = torch.tensor([params[j].top_p for j in p_rows], dtype=torch.float32, device=device)
+        sub = x if len(p_rows) == rows_total else x[idx]
+        known = None
+        if top_kept is not None and set(p_rows) <= set(k_rows):
+            where = {j: n for n, j in enumerate(k_rows)}
+            known = top_kept[torch.tensor([where[j] for j in p_rows], dtype=torch.long, device=device)]
+        cutoff = _top_p_cutoff(sub, top_p, min(TOP_P_CANDIDATES, vocab), known)
+        sub.masked_fill_(sub < cutoff.unsqueeze(1), neg_inf)
+        if sub is not x:
+            x[idx] = sub
+
+    return torch.softmax(x, dim=1)
+
+
+def _top_p_cutoff(
+    x: torch.Tensor, top_p: torch.Tensor, candidates: int, known: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Per row, the smallest logit top_p keeps: that of the last token (in descending order) whose
+    preceding mass is still below top_p.
+
+    Looks at the largest `candidates` logits first (or at `known`, the largest logits already at
+    hand, sorted); rows whose cut may lie beyond them are redone over the whole sorted row.
+    """
+    vocab = x.shape[1]
+    values = known if known is not None else x.topk(candidates, dim=1).values
+    log_total = torch.logsumexp(x, dim=1, keepdim=True)
+    probs = torch.exp(values - log_total)
+    cumulative = torch.cumsum(probs, dim=1)
+    mass_before = torch.cat([torch.zeros_like(cumulative[:, :1]), cumulative[:, :-1]], dim=1)
+    n_keep = (mass_before < top_p.unsqueeze(1)).sum(dim=1).clamp_(min=1)
+    cutoff = values.gather(1, (n_keep - 1).unsqueeze(1)).squeeze(1)
+    if values.shape[1] < vocab:
+        # Every candidate is needed and the mass is still below top_p: the cut may lie further
+        # down (the candidates' own mass is what decides, so this cannot depend on other rows).
+        unsure = (n_keep >= values.shape[1]).nonzero().squeeze(1)
+        if unsure.numel():
+            cutoff[unsure] = _top_p_cutoff(x[unsure], top_p[unsure], vocab)
+    return cutoff
 
 
 def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
