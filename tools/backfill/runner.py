@@ -412,10 +412,9 @@ class _KafkaBackend(_Backend):
             linger_ms=5, **opts,
         )
         await self.producer.start()
-        topics = await self.consumer.topics()
-        if topic not in topics:
-            raise ValueError(f"results topic {topic!r} does not exist on {self.cfg.bootstrap_servers}")
-        tps = [TopicPartition(topic, p) for p in sorted(self.consumer.partitions_for_topic(topic) or ())]
+        from tools.kafka_topics import topic_partitions
+
+        tps = [TopicPartition(topic, p) for p in await topic_partitions(self.consumer, topic)]
         self.consumer.assign(tps)
         stored = store.offsets(topic)
         fresh = [tp for tp in tps if tp.partition not in stored]

@@ -1,0 +1,212 @@
+"""Follow Results, or reassemble token streams, from Kafka.
+
+Reads every partition by manual assignment (no consumer group, so tailing never disturbs the
+workers' groups or other readers), from the end or from the beginning, `read_committed` so an
+exactly-once worker's aborted Results never show.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+
+@dataclass
+class StreamState:
+    attempt: str
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    next_index: int = 0
+    gaps: int = 0
+
+
+@dataclass
+class StreamUpdate:
+    """What one TokenEvent changed: `restarted` when a new attempt replaced an older one's text."""
+
+    job_id: str
+    attempt: str
+    delta: str
+    text: str
+    finished: bool
+    restarted: bool
+    gap: bool
+    token_ids: list[int]
+
+
+class TokenAssembler:
+    """Rebuilds each job's text from its TokenEvents.
+
+    A new `attempt` for a job (a redelivery after a crash or rebalance) starts that job's text
+    again; an event of an attempt already replaced is ignored. Finished jobs are forgotten, so
+    memory holds only streams in progress.
+    """
+
+    def __init__(self) -> None:
+        self.streams: dict[str, StreamState] = {}
+        self.finished_attempts: dict[str, str] = {}  # job_id -> attempt that finished last
+
+    def add(self, event: dict[str, Any]) -> StreamUpdate | None:
+        job_id, attempt = event["job_id"], event["attempt"]
+        state = self.streams.get(job_id)
+        restarted = False
+        if state is None or state.attempt != attempt:
+            if self.finished_attempts.get(job_id) == attempt:
+                return None  # a late duplicate of a stream already complete
+            restarted = state is not None or job_id in self.finished_attempts
+            state = self.streams[job_id] = StreamState(attempt=attempt)
+        gap = event["index"] != state.next_index
+        if gap:
+            state.gaps += 1
+        state.next_index = event["index"] + 1
+        state.text += event.get("text", "")
+        state.token_ids.extend(event.get("token_ids", []))
+        update = StreamUpdate(job_id, attempt, event.get("text", ""), state.text, bool(event.get("finished")),
+                              restarted, gap, list(state.token_ids))
+        if update.finished:
+            del self.streams[job_id]
+            self.finished_attempts[job_id] = attempt
+            if len(self.finished_attempts) > 100_000:  # bounded: forget the oldest
+                self.finished_attempts.pop(next(iter(self.finished_attempts)))
+        return update
+
+
+async def follow(
+    bootstrap_servers: str,
+    topic: str,
+    *,
+    from_beginning: bool = False,
+    job_ids: set[str] | None = None,
+    idle_timeout: float | None = None,
+    kafka_options: dict | None = None,
+    on_ready: Callable[[], None] | None = None,
+) -> AsyncIterator[dict[str, Any]]:
+    """Yield each record of `topic` as a dict (undecodable records are reported and skipped)."""
+    from aiokafka import AIOKafkaConsumer, TopicPartition
+
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap_servers, group_id=None, enable_auto_commit=False,
+                                isolation_level="read_committed", **(kafka_options or {}))
+    await consumer.start()
+    try:
+        from tools.kafka_topics import topic_partitions
+
+        tps = [TopicPartition(topic, p) for p in await topic_partitions(consumer, topic)]
+        consumer.assign(tps)
+        if from_beginning:
+            await consumer.seek_to_beginning(*tps)
+        else:
+            for tp, off in (await consumer.end_offsets(tps)).items():
+                consumer.seek(tp, off)
+        for tp in tps:
+            await consumer.position(tp)  # resolve positions now, so nothing produced after this is missed
+        if on_ready:
+            on_ready()
+        keys = {j.encode() for j in job_ids} if job_ids else None
+        last = time.monotonic()
+        while True:
+            batches = await consumer.getmany(timeout_ms=200, max_records=1000)
+            got = False
+            for tp, records in batches.items():
+                for rec in records:
+                    got = True
+                    if keys is not None and rec.key not in keys:
+                        continue
+                    try:
+                        value = json.loads(rec.value)
+                    except (ValueError, TypeError):
+                        print(f"{tp.topic}/{tp.partition}@{rec.offset}: not JSON, skipped", file=sys.stderr)
+                        continue
+                    if keys is not None and value.get("job_id") not in job_ids:
+                        continue
+                    yield value
+            if got:
+                last = time.monotonic()
+            elif idle_timeout is not None and time.monotonic() - last > idle_timeout:
+                return
+    finally:
+        await consumer.stop()
+
+
+def format_result(result: dict[str, Any]) -> str:
+    """One Result for a person: status, job, text (or error), tokens and timings."""
+    status = result.get("status", "?")
+    usage = result.get("usage") or {}
+    timing = result.get("timing") or {}
+    head = f"[{status}] {result.get('job_id')}"
+    if status == "ok":
+        body = repr(result.get("text", ""))
+        tail = (f"{usage.get('prompt_tokens', 0)}+{usage.get('completion_tokens', 0)} tokens "
+                f"({usage.get('cached_prompt_tokens', 0)} cached), {result.get('finish_reason')}, "
+                f"ttft {timing.get('ttft_ms', 0):.0f} ms, total {timing.get('total_ms', 0):.0f} ms")
+    elif status == "error":
+        err = result.get("error") or {}
+        body, tail = f"{err.get('code')}: {err.get('message')}", ""
+    else:
+        body, tail = "expired before it started", ""
+    return f"{head} {body}" + (f"\n        {tail} (model {result.get('model')}, worker {result.get('worker')})" if tail else "")
+
+
+async def tail(
+    bootstrap_servers: str,
+    *,
+    results_topic: str = "tokenmill.results",
+    tokens_topic: str = "tokenmill.tokens",
+    tokens: bool = False,
+    job_ids: set[str] | None = None,
+    from_beginning: bool = False,
+    as_json: bool = False,
+    unique: bool = False,
+    count: int | None = None,
+    idle_timeout: float | None = None,
+    kafka_options: dict | None = None,
+    out: IO[str] | None = None,
+    on_ready: Callable[[], None] | None = None,
+) -> int:
+    """Print Results (or reassembled streams); return how many were printed."""
+    out = out or sys.stdout
+    printed = 0
+    seen: set[str] = set()
+    assembler = TokenAssembler()
+    topic = tokens_topic if tokens else results_topic
+    async for value in follow(bootstrap_servers, topic, from_beginning=from_beginning, job_ids=job_ids,
+                              idle_timeout=idle_timeout, kafka_options=kafka_options, on_ready=on_ready):
+        if tokens:
+            update = assembler.add(value)
+            if update is None:
+                continue
+            if as_json:
+                if not update.finished:
+                    continue
+                out.write(json.dumps({"job_id": update.job_id, "attempt": update.attempt, "text": update.text,
+                                      "token_ids": update.token_ids}, ensure_ascii=False) + "\n")
+            else:
+                if update.restarted:
+                    out.write(f"[{update.job_id}] new attempt {update.attempt}: text restarts\n")
+                if update.delta:
+                    out.write(f"[{update.job_id}] {update.delta!r}\n")
+                if update.finished:
+                    out.write(f"[{update.job_id}] finished: {update.text!r}\n")
+            out.flush()
+            if update.finished:
+                printed += 1
+        else:
+            job_id = value.get("job_id")
+            if unique:
+                if job_id in seen:
+                    continue
+                seen.add(job_id)
+            out.write((json.dumps(value, ensure_ascii=False) if as_json else format_result(value)) + "\n")
+            out.flush()
+            printed += 1
+        if count is not None and printed >= count:
+            break
+    return printed
+
+
+def run_tail(**kw) -> int:
+    return asyncio.run(tail(**kw))

@@ -1,0 +1,83 @@
+"""`tokenmill produce`: send Job lines or OpenAI batch lines from a file or stdin to Kafka."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from worker.cli.commands._kafka_client import add_kafka_client_args, kafka_client_kwargs
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "produce",
+        help="send Jobs (or OpenAI batch lines) from a JSONL file or stdin to the jobs topic",
+        description=(
+            "Each line is a Job or an OpenAI batch line (custom_id + body; custom_id becomes the job_id). "
+            "Invalid lines are reported with their line numbers and skipped (exit code 1), or stop the "
+            "run with --strict (exit code 2; for a file, nothing is sent)."
+        ),
+    )
+    p.add_argument("file", help="JSONL file, or - for stdin")
+    add_kafka_client_args(p)
+    p.add_argument("--jobs-topic", default="tokenmill.jobs",
+                   help="topic; with {model} (e.g. tokenmill.jobs.{model}) each job goes to its model's topic")
+    p.add_argument("--key", choices=("job_id", "prefix", "none"), default="job_id",
+                   help="partition key: job_id, prefix (same system prompt/prompt start -> same worker), none")
+    p.add_argument("--prefix-chars", type=int, default=256, help="prompt characters hashed by --key prefix")
+    p.add_argument("--rate", type=float, help="at most this many jobs per second")
+    p.add_argument("--strict", action="store_true", help="stop at the first invalid line")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=handle)
+
+
+def handle(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from tools.produce import ProduceAborted, produce, validate_all
+
+    try:
+        kafka_options = kafka_client_kwargs(args)
+    except ValueError as exc:
+        print(f"tokenmill produce: {exc}", file=sys.stderr)
+        return 2
+    total = None
+    if args.file == "-":
+        stream = sys.stdin.buffer
+    else:
+        try:
+            stream = open(args.file, "rb")
+        except OSError as exc:
+            print(f"tokenmill produce: cannot open {args.file}: {exc.strerror}", file=sys.stderr)
+            return 2
+        if args.strict:
+            valid, invalid = validate_all(stream, args.jobs_topic)
+            if invalid:
+                for bad in invalid:
+                    print(f"line {bad.line_no}: {bad.message}", file=sys.stderr)
+                print(f"tokenmill produce: {len(invalid)} invalid line(s); nothing sent (--strict)", file=sys.stderr)
+                return 2
+            total = valid
+            stream.seek(0)
+        else:
+            total = sum(1 for line in stream if line.strip())
+            stream.seek(0)
+    try:
+        report = asyncio.run(produce(
+            stream, bootstrap_servers=args.bootstrap_servers, jobs_topic=args.jobs_topic, key=args.key,
+            prefix_chars=args.prefix_chars, rate=args.rate, strict=args.strict, total=total,
+            progress=not args.no_progress, kafka_options=kafka_options,
+        ))
+    except ProduceAborted as exc:
+        print(f"tokenmill produce: stopped at {exc} (--strict)", file=sys.stderr)
+        return 2
+    except ValueError as exc:
+        print(f"tokenmill produce: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        if stream is not sys.stdin.buffer:
+            stream.close()
+    topics = ", ".join(f"{t}: {n}" for t, n in sorted(report.by_topic.items())) or "none"
+    print(f"sent {report.sent} job(s) in {report.elapsed_s:.1f}s ({topics}); "
+          f"{len(report.invalid)} invalid line(s) skipped", file=sys.stderr)
+    return 1 if report.invalid else 0

@@ -1,0 +1,49 @@
+"""`tokenmill tail`: follow Results, or reassembled token streams."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from worker.cli.commands._kafka_client import add_kafka_client_args, kafka_client_kwargs
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "tail",
+        help="follow Results (or, with --tokens, token streams reassembled per job)",
+        description=(
+            "Prints Results as they arrive (human-readable, or --json for JSON lines). With --tokens, "
+            "reassembles each job's TokenEvents; a new attempt of a job restarts its text."
+        ),
+    )
+    add_kafka_client_args(p)
+    p.add_argument("--tokens", action="store_true", help="follow the token stream instead of Results")
+    p.add_argument("--job-id", action="append", help="only this job (repeatable)")
+    p.add_argument("--from-beginning", action="store_true", help="start at the oldest record, not the end")
+    p.add_argument("--json", action="store_true", help="JSON lines (Results as published; streams when finished)")
+    p.add_argument("--unique", action="store_true", help="print only the first Result per job_id")
+    p.add_argument("--count", type=int, help="exit after this many Results (or finished streams)")
+    p.add_argument("--idle-timeout", type=float, help="exit after this many seconds with no new record")
+    p.add_argument("--results-topic", default="tokenmill.results")
+    p.add_argument("--tokens-topic", default="tokenmill.tokens")
+    p.set_defaults(func=handle)
+
+
+def handle(args: argparse.Namespace) -> int:
+    from tools.tail import run_tail
+
+    try:
+        run_tail(
+            bootstrap_servers=args.bootstrap_servers, results_topic=args.results_topic,
+            tokens_topic=args.tokens_topic, tokens=args.tokens,
+            job_ids=set(args.job_id) if args.job_id else None, from_beginning=args.from_beginning,
+            as_json=args.json, unique=args.unique, count=args.count, idle_timeout=args.idle_timeout,
+            kafka_options=kafka_client_kwargs(args),
+        )
+    except KeyboardInterrupt:
+        return 0
+    except ValueError as exc:
+        print(f"tokenmill tail: {exc}", file=sys.stderr)
+        return 2
+    return 0
