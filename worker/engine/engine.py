@@ -87,8 +87,9 @@ class EngineMetrics:
     # KV slot utilization at the step with the most blocks in use.
     peak_blocks_used: int = 0
     kv_slot_utilization_at_peak: float = 0.0
-    # Step wall time split at the step with the most running sequences.
+    # Step wall time split over the steps with the most running sequences (summed over those steps).
     peak_running: int = 0
+    peak_steps: int = 0
     peak_step_wall_s: float = 0.0
     peak_step_model_s: float = 0.0  # forward + LM head + sampling
     step_wall_s_total: float = 0.0
@@ -399,11 +400,12 @@ class Engine:
         m.step_model_s_total += model_s
         running = len(out.requests)
         m.last_step = {"seqs": running, "tokens": out.num_batched_tokens, "wall_s": wall, "model_s": model_s}
-        if running > m.peak_running or (running == m.peak_running and wall < m.peak_step_wall_s):
-            # Ties keep the quietest sample: on a shared machine a step can be stalled by others.
-            m.peak_running = running
-            m.peak_step_wall_s = wall
-            m.peak_step_model_s = model_s
+        if running > m.peak_running:
+            m.peak_running, m.peak_steps, m.peak_step_wall_s, m.peak_step_model_s = running, 0, 0.0, 0.0
+        if running == m.peak_running:
+            m.peak_steps += 1
+            m.peak_step_wall_s += wall
+            m.peak_step_model_s += model_s
 
     def stats(self) -> EngineStats:
         s = self._stats

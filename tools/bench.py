@@ -1,0 +1,324 @@
+"""Engine benchmarks: `mixed` (vs transformers generate) and `prefix` (vs the engine without its cache).
+
+- mixed:  256 requests, prompt 16-512 tokens, output 16-256 tokens (ignore_eos), fixed seed.
+          Baseline: transformers `generate` with the best static batch of {8, 32, 64}, left padding,
+          same weights, same process, run right after the engine.
+- prefix: 128 requests sharing a 512-token prefix plus 32 unique tokens, 32 output tokens each.
+          Baseline: the same engine with prefix caching off.
+
+Throughput is requested output tokens per second of wall time, from the moment all requests are
+handed over to the moment the last finishes (model loading and a short warm-up excluded, for both
+sides). Everything runs in one process, one after the other, with the same torch thread count.
+
+Finding the best static batch for `mixed`: every candidate runs a calibration sample (the first 64
+requests of the workload, or all with `full_sweep`); the winner then runs the whole workload.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+WORKLOADS = ("mixed", "prefix")
+BASELINE_BATCHES = (8, 32, 64)
+CALIBRATION_REQUESTS = 64
+
+
+@dataclass
+class Workload:
+    name: str
+    prompts: list[list[int]]
+    max_tokens: list[int]
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.max_tokens)
+
+    def head(self, n: int) -> Workload:
+        return Workload(self.name, self.prompts[:n], self.max_tokens[:n])
+
+
+def _token_range(vocab_size: int, special: set[int]) -> list[int]:
+    # Ordinary token ids only, so no request stops or changes meaning on a special token.
+    lo = max(special) + 1 if special and max(special) < 1000 else 0
+    return [lo, vocab_size - 1]
+
+
+def mixed_workload(vocab_size: int, num_requests: int = 256, seed: int = 0, special: set[int] = frozenset()) -> Workload:
+    rng = random.Random(seed)
+    lo, hi = _token_range(vocab_size, set(special))
+    prompts, outs = [], []
+    for _ in range(num_requests):
+        prompts.append([rng.randint(lo, hi) for _ in range(rng.randint(16, 512))])
+        outs.append(rng.randint(16, 256))
+    return Workload("mixed", prompts, outs)
+
+
+def prefix_workload(vocab_size: int, num_requests: int = 128, seed: int = 0, special: set[int] = frozenset()) -> Workload:
+    rng = random.Random(seed + 1)
+    lo, hi = _token_range(vocab_size, set(special))
+    shared = [rng.randint(lo, hi) for _ in range(512)]
+    prompts = [shared + [rng.randint(lo, hi) for _ in range(32)] for _ in range(num_requests)]
+    return Workload("prefix", prompts, [32] * num_requests)
+
+
+def resolve_model(name: str) -> Path:
+    """tiny-llama / smollm2 / a checkpoint directory -> a directory."""
+    if name == "tiny-llama":
+        from tools.tiny_models import cached_tiny_model
+
+        return cached_tiny_model("tiny-llama")
+    if name == "smollm2":
+        from tools.smollm2 import cached_smollm2
+
+        return Path(cached_smollm2())
+    path = Path(name)
+    if not (path / "config.json").exists():
+        raise ValueError(f"--model {name!r}: not tiny-llama, smollm2 or a checkpoint directory with config.json")
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# engine side
+
+
+@dataclass
+class EngineRun:
+    wall_s: float
+    output_tokens: int
+    prompt_tokens: int
+    prefill_tokens_computed: int
+    cached_prompt_tokens: int
+    kv_slot_utilization_peak: float
+    engine_overhead_fraction: float
+    peak_running: int
+    steps: int
+    preemptions: int
+    kv_blocks_total: int
+
+    @property
+    def output_tok_s(self) -> float:
+        return self.output_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+
+def _engine_requests(work: Workload, tag: str):
+    from worker.engine.types import EngineRequest, SamplingParams
+
+    return [
+        EngineRequest(
+            request_id=f"{tag}-{i}",
+            prompt_token_ids=p,
+            sampling=SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True),
+        )
+        for i, (p, n) in enumerate(zip(work.prompts, work.max_tokens))
+    ]
+
+
+def run_engine(model_dir: Path, work: Workload, engine_options: dict[str, Any]) -> EngineRun:
+    from worker.engine import Engine, EngineConfig
+    from worker.engine.engine import EngineMetrics
+
+    engine = Engine(EngineConfig(model=str(model_dir), **engine_options))
+    # Warm-up (allocator, kernels, plans): two short requests whose tokens share nothing with the work.
+    warm = Workload("warm", [[1] * 40, [2] * 20], [4, 4])
+    engine.generate(_engine_requests(warm, "warm"))
+    engine.metrics = EngineMetrics()
+    cached_before = engine.stats().cached_prompt_tokens_total
+    steps_before = engine.stats().steps
+
+    requests = _engine_requests(work, "bench")
+    t0 = time.perf_counter()
+    results = engine.generate(requests)
+    wall = time.perf_counter() - t0
+    if len(results) != len(requests):
+        raise RuntimeError(f"engine finished {len(results)} of {len(requests)} requests")
+    produced = sum(len(d.output_token_ids) for d in results.values())
+    if produced != work.output_tokens:
+        raise RuntimeError(f"engine produced {produced} tokens, the workload asks for {work.output_tokens}")
+    m = engine.metrics
+    stats = engine.stats()
+    run = EngineRun(
+        wall_s=wall,
+        output_tokens=produced,
+        prompt_tokens=work.prompt_tokens,
+        prefill_tokens_computed=m.prompt_tokens_computed,
+        cached_prompt_tokens=stats.cached_prompt_tokens_total - cached_before,
+        kv_slot_utilization_peak=m.kv_slot_utilization_at_peak,
+        engine_overhead_fraction=m.overhead_fraction_at_peak,
+        peak_running=m.peak_running,
+        steps=stats.steps - steps_before,
+        preemptions=m.num_preemptions,
+        kv_blocks_total=stats.kv_blocks_total,
+    )
+    del engine, results
+    gc.collect()
+    return run
+
+
+# ---------------------------------------------------------------------------------------------
+# transformers side
+
+
+def hf_static_batches(model, work: Workload, batch_size: int, pad_id: int) -> float:
+    """Run the workload through `generate` in static batches (arrival order); returns wall seconds."""
+    import torch
+
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        for start in range(0, len(work.prompts), batch_size):
+            prompts = work.prompts[start : start + batch_size]
+            outs = work.max_tokens[start : start + batch_size]
+            width = max(len(p) for p in prompts)
+            ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+            mask = torch.zeros((len(prompts), width), dtype=torch.long)
+            for i, p in enumerate(prompts):  # left padding
+                ids[i, width - len(p) :] = torch.tensor(p)
+                mask[i, width - len(p) :] = 1
+            model.generate(
+                input_ids=ids, attention_mask=mask, max_new_tokens=max(outs),
+                do_sample=False, eos_token_id=None, pad_token_id=pad_id,
+            )
+    return time.perf_counter() - t0
+
+
+@dataclass
+class BaselineRun:
+    batch_size: int
+    wall_s: float
+    output_tokens: int
+    calibration: dict[int, float] = field(default_factory=dict)  # batch size -> requested tok/s
+
+    @property
+    def output_tok_s(self) -> float:
+        return self.output_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+
+def run_hf_baseline(model_dir: Path, work: Workload, dtype: str, full_sweep: bool = False) -> BaselineRun:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch_dtype = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch_dtype or "auto").eval()
+    pad_id = model.generation_config.pad_token_id
+    model.generation_config.eos_token_id = None  # ignore_eos, like the engine side
+    if pad_id is None:
+        pad_id = 0
+    elif isinstance(pad_id, list):
+        pad_id = pad_id[0]
+    hf_static_batches(model, Workload("warm", [[1] * 40, [2] * 20], [4, 4]), 2, pad_id)  # warm-up
+    sample = work if full_sweep else work.head(CALIBRATION_REQUESTS)
+    calibration: dict[int, float] = {}
+    walls: dict[int, float] = {}
+    for bsz in BASELINE_BATCHES:
+        wall = hf_static_batches(model, sample, bsz, pad_id)
+        walls[bsz] = wall
+        calibration[bsz] = sample.output_tokens / wall
+    best = max(calibration, key=calibration.get)
+    if full_sweep or len(sample.prompts) == len(work.prompts):
+        wall = walls[best]
+    else:
+        wall = hf_static_batches(model, work, best, pad_id)
+    del model
+    gc.collect()
+    return BaselineRun(batch_size=best, wall_s=wall, output_tokens=work.output_tokens, calibration=calibration)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def run_bench(
+    workload: str,
+    model: str,
+    *,
+    num_requests: int | None = None,
+    seed: int = 0,
+    engine_options: dict[str, Any] | None = None,
+    full_sweep: bool = False,
+) -> dict[str, Any]:
+    if workload not in WORKLOADS:
+        raise ValueError(f"unknown workload {workload!r}; choose one of {', '.join(WORKLOADS)}")
+    from worker.engine.model_config import load_model_config
+
+    model_dir = resolve_model(model)
+    options = dict(engine_options or {})
+    mc = load_model_config(model_dir)
+    special = set(mc.eos_token_ids)
+    if workload == "mixed":
+        work = mixed_workload(mc.vocab_size, num_requests or 256, seed, special)
+    else:
+        work = prefix_workload(mc.vocab_size, num_requests or 128, seed, special)
+    need = max(len(p) + n for p, n in zip(work.prompts, work.max_tokens))
+    if need > mc.max_model_len:
+        raise ValueError(f"the workload needs {need} positions; {model} allows {mc.max_model_len}")
+
+    engine = run_engine(model_dir, work, options)
+    report: dict[str, Any] = {
+        "workload": workload,
+        "model": model,
+        "requests": len(work.prompts),
+        "engine_output_tok_s": engine.output_tok_s,
+    }
+    if workload == "mixed":
+        base = run_hf_baseline(model_dir, work, options.get("dtype", "auto"), full_sweep=full_sweep)
+        report["baseline"] = "transformers generate, best static batch of 8/32/64, left padding"
+        report["baseline_batch_size"] = base.batch_size
+        report["baseline_calibration_tok_s"] = {str(k): v for k, v in base.calibration.items()}
+    else:
+        no_cache = run_engine(model_dir, work, {**options, "enable_prefix_caching": False})
+        base = no_cache
+        report["baseline"] = "the same engine with prefix caching off"
+        report["baseline_prefill_tokens_computed"] = no_cache.prefill_tokens_computed
+    report.update(
+        baseline_output_tok_s=base.output_tok_s,
+        ratio=engine.output_tok_s / base.output_tok_s if base.output_tok_s else 0.0,
+        kv_slot_utilization_peak=engine.kv_slot_utilization_peak,
+        engine_overhead_fraction=engine.engine_overhead_fraction,
+        prompt_tokens=engine.prompt_tokens,
+        prefill_tokens_computed=engine.prefill_tokens_computed,
+        cached_prompt_tokens=engine.cached_prompt_tokens,
+        output_tokens=engine.output_tokens,
+        engine_wall_s=engine.wall_s,
+        baseline_wall_s=base.wall_s,
+        engine_steps=engine.steps,
+        engine_peak_running=engine.peak_running,
+        engine_preemptions=engine.preemptions,
+        kv_blocks_total=engine.kv_blocks_total,
+        engine_options={k: v for k, v in options.items()},
+    )
+    return report
+
+
+def format_table(report: dict[str, Any]) -> str:
+    rows = [
+        ("workload", report["workload"]),
+        ("model", report["model"]),
+        ("requests", report["requests"]),
+        ("engine output tok/s", f"{report['engine_output_tok_s']:.1f}"),
+        ("baseline output tok/s", f"{report['baseline_output_tok_s']:.1f}  ({report['baseline']})"),
+        ("ratio", f"{report['ratio']:.2f}"),
+        ("kv slot utilization (peak)", f"{report['kv_slot_utilization_peak']:.3f}"),
+        ("engine overhead fraction", f"{report['engine_overhead_fraction']:.3f}"),
+        ("prompt tokens", report["prompt_tokens"]),
+        ("prefill tokens computed", report["prefill_tokens_computed"]),
+        ("cached prompt tokens", report["cached_prompt_tokens"]),
+        ("engine steps / preemptions", f"{report['engine_steps']} / {report['engine_preemptions']}"),
+    ]
+    if "baseline_batch_size" in report:
+        rows.append(("baseline batch size", report["baseline_batch_size"]))
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def write_json(report: dict[str, Any], path: str | Path) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2, default=lambda o: asdict(o) if hasattr(o, "__dataclass_fields__") else str(o)) + "\n")

@@ -1,0 +1,52 @@
+"""`tokenmill bench --workload {mixed,prefix} --model {tiny-llama,smollm2,DIR} [--json PATH]`."""
+
+from __future__ import annotations
+
+import argparse
+
+from worker.cli.engine_options import add_engine_options, positive_int
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "bench",
+        help="benchmark the engine: mixed (vs transformers generate) or prefix (vs no prefix cache)",
+        description=(
+            "mixed: 256 requests, prompt 16-512 tokens, output 16-256 (ignore_eos), against transformers "
+            "generate with the best static batch of 8/32/64. prefix: 128 requests sharing a 512-token "
+            "prefix plus 32 unique tokens, 32 output tokens, against the same engine without prefix "
+            "caching. Prints a table; --json writes the report."
+        ),
+    )
+    p.add_argument("--workload", required=True, choices=["mixed", "prefix"])
+    p.add_argument("--model", required=True, help="tiny-llama, smollm2 or a checkpoint directory")
+    p.add_argument("--json", default=None, metavar="PATH", help="write the report as JSON here")
+    p.add_argument("--requests", type=positive_int, default=None,
+                   help="number of requests (default: 256 for mixed, 128 for prefix); small for quick runs")
+    p.add_argument("--workload-seed", type=int, default=0)
+    p.add_argument("--threads", type=positive_int, default=1,
+                   help="torch intra-op threads for both sides (default 1: shared small CPUs stall otherwise)")
+    p.add_argument("--full-sweep", action="store_true",
+                   help="run every static batch size over the whole workload (default: calibrate on 64 requests)")
+    add_engine_options(p, model_required=False)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from tools.bench import format_table, run_bench, write_json
+    from worker.cli.engine_options import engine_kwargs
+
+    torch.set_num_threads(args.threads)
+    options = engine_kwargs(args)
+    options.pop("served_model_name")
+    report = run_bench(
+        args.workload, args.model, num_requests=args.requests, seed=args.workload_seed,
+        engine_options=options, full_sweep=args.full_sweep,
+    )
+    report["threads"] = args.threads
+    print(format_table(report))
+    if args.json:
+        write_json(report, args.json)
+    return 0
