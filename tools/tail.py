@@ -23,6 +23,7 @@ class StreamState:
     token_ids: list[int] = field(default_factory=list)
     next_index: int = 0
     gaps: int = 0
+    replaced: set[str] = field(default_factory=set)  # earlier attempts of this job, now ignored
 
 
 @dataclass
@@ -43,7 +44,8 @@ class TokenAssembler:
     """Rebuilds each job's text from its TokenEvents.
 
     A new `attempt` for a job (a redelivery after a crash or rebalance) starts that job's text
-    again; an event of an attempt already replaced is ignored. Finished jobs are forgotten, so
+    again; later events of the attempt it replaced (a worker that had not noticed it lost the
+    partition) are ignored. Finished jobs are forgotten, so
     memory holds only streams in progress.
     """
 
@@ -58,8 +60,11 @@ class TokenAssembler:
         if state is None or state.attempt != attempt:
             if self.finished_attempts.get(job_id) == attempt:
                 return None  # a late duplicate of a stream already complete
+            if state is not None and attempt in state.replaced:
+                return None  # an attempt already replaced by a newer one
             restarted = state is not None or job_id in self.finished_attempts
-            state = self.streams[job_id] = StreamState(attempt=attempt)
+            replaced = (state.replaced | {state.attempt}) if state is not None else set()
+            state = self.streams[job_id] = StreamState(attempt=attempt, replaced=replaced)
         gap = event["index"] != state.next_index
         if gap:
             state.gaps += 1
