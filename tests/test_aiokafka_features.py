@@ -437,3 +437,159 @@ async def test_broker_drops_a_replayed_idempotent_batch(kafka_bootstrap, new_top
 
     got = await _read(kafka_bootstrap, topic, expect=3)
     assert [m.value for m in got] == [b"seq-0", b"seq--1", b"seq--1"]
+
+
+# ---- transactions --------------------------------------------------------------------------
+
+
+async def _committed_when(consumer: AIOKafkaConsumer, tp: TopicPartition, expect: int,
+                          timeout_s: float = 10.0) -> int | None:
+    """The group's committed offset, polled until it equals ``expect`` (or the time is up).
+
+    commit_transaction() returns when the coordinator has logged the decision; the offsets
+    become visible to OffsetFetch (v0-v3 in aiokafka, without KIP-447's require_stable) a moment
+    later, when the marker reaches __consumer_offsets (measured: up to ~0.2 s). Until then the
+    previous value is returned.
+    """
+    deadline = time.monotonic() + timeout_s
+    value = await consumer.committed(tp)
+    while value != expect and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+        value = await consumer.committed(tp)
+    return value
+
+
+async def _committed_values(consumer: AIOKafkaConsumer, tp: TopicPartition, during_s: float) -> set:
+    """Every committed offset seen while polling for ``during_s`` seconds."""
+    seen = set()
+    deadline = time.monotonic() + during_s
+    while time.monotonic() < deadline:
+        seen.add(await consumer.committed(tp))
+        await asyncio.sleep(0.05)
+    return seen
+
+
+async def test_transactions_commit_results_and_offsets_together(kafka_bootstrap, new_topic):
+    """Consume-transform-produce as the --exactly-once worker does it: outputs and the input
+    offset go in one transaction. An aborted transaction leaves neither outputs visible to a
+    read_committed reader nor its offset committed."""
+    jobs, results = new_topic(partitions=1), new_topic(partitions=1)
+    group = f"g-{_uid()}"
+    tp = TopicPartition(jobs, 0)
+    await _produce(kafka_bootstrap, jobs, [(0, f"job-{i}".encode(), f"job-{i}".encode()) for i in range(6)])
+
+    async def member() -> AIOKafkaConsumer:
+        consumer = AIOKafkaConsumer(jobs, bootstrap_servers=kafka_bootstrap, group_id=group,
+                                    enable_auto_commit=False, auto_offset_reset="earliest",
+                                    isolation_level="read_committed")
+        await consumer.start()
+        return consumer
+
+    async def take(consumer: AIOKafkaConsumer, n: int) -> list:
+        got: list = []
+        deadline = time.monotonic() + 20
+        while len(got) < n and time.monotonic() < deadline:
+            batch = await consumer.getmany(tp, timeout_ms=300, max_records=n - len(got))
+            got += batch.get(tp, [])
+        return got
+
+    producer = AIOKafkaProducer(bootstrap_servers=kafka_bootstrap, transactional_id=f"tx-{_uid()}",
+                                transaction_timeout_ms=20000)
+    await producer.start()
+    try:
+        consumer = await member()
+        try:
+            # Transaction 1: jobs 0-2 -> results, offset 3; committed.
+            jobs_read = await take(consumer, 3)
+            async with producer.transaction():
+                for m in jobs_read:
+                    await producer.send(results, b"result:" + m.value, key=m.key)
+                await producer.send_offsets_to_transaction({tp: jobs_read[-1].offset + 1}, group)
+            assert await _committed_when(consumer, tp, 3) == 3
+
+            # Transaction 2: jobs 3-5 -> results, offset 6; aborted (e.g. the worker crashed).
+            jobs_read = await take(consumer, 3)
+            assert [m.offset for m in jobs_read] == [3, 4, 5]
+            await producer.begin_transaction()
+            for m in jobs_read:
+                await producer.send(results, b"aborted:" + m.value, key=m.key)
+            await producer.send_offsets_to_transaction({tp: 6}, group)
+            await producer.abort_transaction()
+            assert await _committed_values(consumer, tp, during_s=1.0) == {3}
+        finally:
+            await consumer.stop()
+
+        # A new member resumes at the last committed transaction's offset and redoes 3-5.
+        consumer = await member()
+        try:
+            jobs_read = await take(consumer, 3)
+            assert [m.offset for m in jobs_read] == [3, 4, 5]
+            async with producer.transaction():
+                for m in jobs_read:
+                    await producer.send(results, b"result:" + m.value, key=m.key)
+                await producer.send_offsets_to_transaction({tp: 6}, group)
+            assert await _committed_when(consumer, tp, 6) == 6
+        finally:
+            await consumer.stop()
+    finally:
+        await producer.stop()
+
+    committed_view = await _read(kafka_bootstrap, results, expect=6, isolation_level="read_committed")
+    assert [m.value for m in committed_view] == [b"result:job-%d" % i for i in range(6)]
+    # The aborted records are in the log (a read_uncommitted reader sees them); read_committed
+    # filtered them out, so the check above is about isolation, not about missing writes.
+    raw_view = await _read(kafka_bootstrap, results, expect=9, isolation_level="read_uncommitted")
+    assert [m.value for m in raw_view] == (
+        [b"result:job-%d" % i for i in range(3)]
+        + [b"aborted:job-%d" % i for i in range(3, 6)]
+        + [b"result:job-%d" % i for i in range(3, 6)]
+    )
+
+
+async def test_read_committed_reader_waits_behind_an_open_transaction(kafka_bootstrap, new_topic):
+    """Why the token stream must never sit inside a transaction: a read_committed reader sees
+    nothing past the first open transaction, even records written later outside it."""
+    topic = new_topic(partitions=1)
+    tx = AIOKafkaProducer(bootstrap_servers=kafka_bootstrap, transactional_id=f"tx-{_uid()}")
+    plain = AIOKafkaProducer(bootstrap_servers=kafka_bootstrap, enable_idempotence=True)
+    await tx.start()
+    await plain.start()
+    try:
+        await tx.begin_transaction()
+        await (await tx.send(topic, b"in open transaction", partition=0))
+        await plain.send_and_wait(topic, b"written after, no transaction", partition=0)
+        assert await _read(kafka_bootstrap, topic, isolation_level="read_committed", idle_s=1.0) == []
+        assert len(await _read(kafka_bootstrap, topic, expect=2)) == 2  # read_uncommitted sees both
+        await tx.commit_transaction()
+    finally:
+        await plain.stop()
+        await tx.stop()
+    got = await _read(kafka_bootstrap, topic, expect=2, isolation_level="read_committed")
+    assert [m.value for m in got] == [b"in open transaction", b"written after, no transaction"]
+
+
+async def test_new_producer_with_same_transactional_id_fences_the_old_one(kafka_bootstrap, new_topic):
+    """A restarted worker (same transactional id) aborts its predecessor's open transaction,
+    and the predecessor (a zombie) can no longer commit."""
+    from aiokafka.errors import ProducerFenced
+
+    topic = new_topic(partitions=1)
+    transactional_id = f"tx-{_uid()}"
+    old = AIOKafkaProducer(bootstrap_servers=kafka_bootstrap, transactional_id=transactional_id)
+    new = AIOKafkaProducer(bootstrap_servers=kafka_bootstrap, transactional_id=transactional_id)
+    await old.start()
+    try:
+        await old.begin_transaction()
+        await (await old.send(topic, b"zombie", partition=0))
+        await new.start()  # InitProducerId bumps the epoch and aborts the open transaction
+        try:
+            with pytest.raises(ProducerFenced):
+                await old.commit_transaction()
+            async with new.transaction():
+                await new.send(topic, b"successor", partition=0)
+        finally:
+            await new.stop()
+    finally:
+        await old.stop()
+    got = await _read(kafka_bootstrap, topic, expect=1, isolation_level="read_committed")
+    assert [m.value for m in got] == [b"successor"]
