@@ -1,0 +1,162 @@
+"""Workers as subprocesses against the real broker: SIGTERM drain, kill -9 crashes (at-least-once
+and exactly-once), a broker restart in the middle of a run."""
+
+import asyncio
+import json
+import os
+import signal
+import time
+
+import pytest
+
+from tests.worker_helpers import (
+    committed_offsets,
+    end_offsets,
+    job,
+    make_topics,
+    produce,
+    read_topic,
+    results_by_job,
+    start_worker_process,
+    stop_process,
+    worker_command,
+)
+
+pytestmark = [pytest.mark.kafka, pytest.mark.slow]
+
+
+async def _results(bootstrap, topic, n_jobs, timeout, read_committed=False):
+    recs = await read_topic(bootstrap, topic, lambda r: len({x.key for x in r}) >= n_jobs, timeout, read_committed)
+    return results_by_job(recs)
+
+
+async def _wait_some_results(bootstrap, topic, job_ids: set[str], at_least: int, timeout: float):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        recs = await read_topic(bootstrap, topic, lambda r: False, timeout=0.5)
+        done = {r.key.decode() for r in recs} & job_ids
+        if len(done) >= at_least:
+            return done
+    raise TimeoutError(f"fewer than {at_least} results within {timeout}s")
+
+
+def _log_tail(path, n=3000) -> str:
+    try:
+        return path.read_text(errors="replace")[-n:]
+    except OSError:
+        return ""
+
+
+async def test_sigterm_finishes_in_flight_jobs_commits_and_exits_0(kafka_bootstrap, tiny_llama_dir, tmp_path):
+    topics = await make_topics(kafka_bootstrap, "sigterm", partitions=1)
+    jobs = [job(i, max_tokens=24) for i in range(120)]
+    await produce(kafka_bootstrap, topics.jobs, jobs)
+    log = tmp_path / "worker.log"
+    proc = start_worker_process(
+        worker_command(kafka_bootstrap, topics, tiny_llama_dir, "--max-inflight-per-partition", "40",
+                       "--max-num-seqs", "8", "--log-level", "INFO"), log)
+    try:
+        ids = {j["job_id"] for j in jobs}
+        before = await _wait_some_results(kafka_bootstrap, topics.results, ids, 1, timeout=90)
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(90)
+    finally:
+        stop_process(proc, signal.SIGKILL)
+    assert code == 0, _log_tail(log)
+    committed = (await committed_offsets(kafka_bootstrap, topics.group, topics.jobs, 1))[0]
+    results = results_by_job(await read_topic(kafka_bootstrap, topics.results, lambda r: False, timeout=2))
+    offsets = sorted(r[0]["source"]["offset"] for r in results.values())
+    # Everything fetched before the signal was finished and committed; nothing after it started.
+    assert committed is not None and committed < len(jobs), "the worker should have stopped fetching"
+    assert offsets == list(range(committed)), (committed, offsets[-5:])
+    assert len(results) >= len(before)
+    assert all(len(r) == 1 and r[0]["status"] == "ok" for r in results.values())
+    drained = [json.loads(line) for line in log.read_text().splitlines() if '"event": "drained"' in line]
+    assert drained and drained[0]["abandoned"] == 0
+
+
+async def _crash_run(bootstrap, model_dir, tmp_path, exactly_once: bool):
+    n_jobs, waves, kills = 500, 5, 3
+    topics = await make_topics(bootstrap, "crash-eos" if exactly_once else "crash", partitions=4)
+    extra = ["--exactly-once"] if exactly_once else []
+    cmd = worker_command(bootstrap, topics, model_dir, *extra, "--max-num-seqs", "32")
+    procs = {name: start_worker_process(cmd, tmp_path / f"{name}.log") for name in ("a", "b")}
+    all_jobs = [job(i, ("prompt", "messages", "tokens")[i % 3], stream=(i % 10 == 0), max_tokens=10)
+                for i in range(n_jobs)]
+    per_wave = n_jobs // waves
+    killed = 0
+    try:
+        for w in range(waves):
+            wave = all_jobs[w * per_wave:(w + 1) * per_wave]
+            await produce(bootstrap, topics.jobs, wave)
+            if killed < kills:
+                # Kill a worker while this wave is being worked on, then restart it at once.
+                ids = {j["job_id"] for j in wave}
+                await _wait_some_results(bootstrap, topics.results, ids, 10, timeout=120)
+                name = "ab"[killed % 2]
+                procs[name].send_signal(signal.SIGKILL)
+                assert procs[name].wait(30) == -signal.SIGKILL
+                killed += 1
+                procs[name] = start_worker_process(cmd, tmp_path / f"{name}.log")
+        results = await _results(bootstrap, topics.results, n_jobs, timeout=240, read_committed=exactly_once)
+        for name, proc in procs.items():
+            assert proc.poll() is None, f"worker {name} exited: {_log_tail(tmp_path / f'{name}.log')}"
+    finally:
+        codes = {name: stop_process(p) for name, p in procs.items()}
+    assert killed == kills
+    assert codes == {"a": 0, "b": 0}, {n: _log_tail(tmp_path / f"{n}.log") for n in procs}
+    missing = {j["job_id"] for j in all_jobs} - set(results)
+    assert not missing, f"{len(missing)} jobs without a Result, e.g. {sorted(missing)[:5]}"
+    duplicates = sum(len(v) - 1 for v in results.values())
+    assert all(r["status"] == "ok" for v in results.values() for r in v)
+    committed = await committed_offsets(bootstrap, topics.group, topics.jobs, 4)
+    assert committed == await end_offsets(bootstrap, topics.jobs, 4)
+    return topics, results, duplicates
+
+
+async def test_crash_kill_9_at_least_once(kafka_bootstrap, tiny_llama_dir, tmp_path):
+    topics, results, duplicates = await _crash_run(kafka_bootstrap, tiny_llama_dir, tmp_path, exactly_once=False)
+    print(f"\nat-least-once crash test: 500 jobs, 3 x kill -9: {duplicates} duplicate Results")
+
+
+async def test_crash_kill_9_exactly_once_read_committed(kafka_bootstrap, tiny_llama_dir, tmp_path):
+    topics, results, duplicates = await _crash_run(kafka_bootstrap, tiny_llama_dir, tmp_path, exactly_once=True)
+    uncommitted = results_by_job(await read_topic(kafka_bootstrap, topics.results, lambda r: False, timeout=2))
+    raw_dups = sum(len(v) - 1 for v in uncommitted.values())
+    print(f"\nexactly-once crash test: 500 jobs, 3 x kill -9: {duplicates} duplicates for read_committed, "
+          f"{raw_dups} records of aborted transactions seen by read_uncommitted")
+    assert duplicates == 0
+    assert all(len(v) == 1 for v in results.values())
+
+
+async def test_broker_restart_mid_run_loses_nothing(tiny_llama_dir, tmp_path):
+    from worker.kafka.local_broker import LocalKafka, free_port
+
+    broker = LocalKafka(port=free_port(), data_dir=tmp_path / "kafka", controller_port=free_port())
+    broker.start(timeout=180, owner_pid=os.getpid(), auto_create_topics=False)
+    proc = None
+    try:
+        bootstrap = broker.bootstrap
+        topics = await make_topics(bootstrap, "restart", partitions=2)
+        first = [job(i, max_tokens=12) for i in range(100)]
+        second = [job(i, max_tokens=12) for i in range(100, 160)]
+        await produce(bootstrap, topics.jobs, first)
+        proc = start_worker_process(worker_command(bootstrap, topics, tiny_llama_dir), tmp_path / "w.log")
+        await _wait_some_results(bootstrap, topics.results, {j["job_id"] for j in first}, 20, timeout=90)
+        await asyncio.to_thread(broker.stop, 60)
+        await asyncio.sleep(4)  # the worker keeps generating, publishing fails and retries
+        assert proc.poll() is None, _log_tail(tmp_path / "w.log")
+        await asyncio.to_thread(broker.start, 180, os.getpid(), False)
+        await produce(bootstrap, topics.jobs, second)
+        results = await _results(bootstrap, topics.results, 160, timeout=180)
+        assert proc.poll() is None, "the worker exited during the broker restart"
+        missing = {j["job_id"] for j in first + second} - set(results)
+        assert not missing, f"lost {len(missing)} jobs: {sorted(missing)[:5]}"
+        assert stop_process(proc) == 0, _log_tail(tmp_path / "w.log")
+        proc = None
+        assert await committed_offsets(bootstrap, topics.group, topics.jobs, 2) == await end_offsets(
+            bootstrap, topics.jobs, 2)
+    finally:
+        if proc is not None:
+            stop_process(proc, signal.SIGKILL)
+        broker.stop(timeout=30)
