@@ -57,25 +57,29 @@ class Message(StrictModel):
 class Sampling(StrictModel):
     """How tokens are drawn. Names and meanings follow the OpenAI and vLLM conventions."""
 
-    max_tokens: int = Field(256, ge=1, le=TOKEN_ID_MAX, description="Most tokens to generate.")
-    min_tokens: Count = Field(0, description="EOS and stop token ids are suppressed until this many tokens.")
-    temperature: FiniteFloat = Field(1.0, ge=0, description="0 means greedy.")
-    top_p: FiniteFloat = Field(1.0, gt=0, le=1, description="Nucleus sampling: 0 < p <= 1.")
-    top_k: Count = Field(0, description="Keep the k most likely tokens; 0 = off.")
-    min_p: FiniteFloat = Field(0.0, ge=0, le=1, description="Drop tokens below min_p x the top probability.")
-    repetition_penalty: FiniteFloat = Field(1.0, gt=0, description="> 0; 1 = off (vLLM convention).")
-    presence_penalty: FiniteFloat = Field(0.0, ge=-2, le=2, description="-2..2 (OpenAI convention).")
-    frequency_penalty: FiniteFloat = Field(0.0, ge=-2, le=2, description="-2..2 (OpenAI convention).")
-    seed: Int64 | None = Field(None, description="Same seed, same tokens, alone or in any batch.")
+    max_tokens: int = Field(default=256, ge=1, le=TOKEN_ID_MAX, description="Most tokens to generate.")
+    min_tokens: Count = Field(
+        default=0, description="EOS and stop token ids are suppressed until this many tokens."
+    )
+    temperature: FiniteFloat = Field(default=1.0, ge=0, description="0 means greedy.")
+    top_p: FiniteFloat = Field(default=1.0, gt=0, le=1, description="Nucleus sampling: 0 < p <= 1.")
+    top_k: Count = Field(default=0, description="Keep the k most likely tokens; 0 = off.")
+    min_p: FiniteFloat = Field(
+        default=0.0, ge=0, le=1, description="Drop tokens below min_p x the top probability."
+    )
+    repetition_penalty: FiniteFloat = Field(default=1.0, gt=0, description="> 0; 1 = off (vLLM convention).")
+    presence_penalty: FiniteFloat = Field(default=0.0, ge=-2, le=2, description="-2..2 (OpenAI convention).")
+    frequency_penalty: FiniteFloat = Field(default=0.0, ge=-2, le=2, description="-2..2 (OpenAI convention).")
+    seed: Int64 | None = Field(default=None, description="Same seed, same tokens, alone or in any batch.")
     stop: list[Annotated[str, Field(min_length=1)]] = Field(
         default_factory=list,
         max_length=STOP_MAX_STRINGS,
         description="At most 16 non-empty strings; the text ends just before the first one hit.",
     )
     stop_token_ids: list[TokenId] = Field(default_factory=list, description="Token ids that end the output.")
-    ignore_eos: bool = Field(False, description="Keep generating past EOS (until max_tokens).")
+    ignore_eos: bool = Field(default=False, description="Keep generating past EOS (until max_tokens).")
     logprobs: int | None = Field(
-        None,
+        default=None,
         ge=0,
         le=LOGPROBS_MAX,
         description="null = none; N in 0..20 = the chosen token's logprob plus the top N alternatives.",
@@ -109,27 +113,27 @@ class Job(StrictModel):
     )
 
     job_id: JobId
-    prompt: str | None = Field(None, min_length=1, description="A plain prompt (non-empty).")
+    prompt: str | None = Field(default=None, min_length=1, description="A plain prompt (non-empty).")
     messages: list[Message] | None = Field(
-        None, min_length=1, description="Chat messages, rendered with the model's chat template."
+        default=None, min_length=1, description="Chat messages, rendered with the model's chat template."
     )
     prompt_token_ids: list[TokenId] | None = Field(
-        None, min_length=1, description="An already tokenized prompt."
+        default=None, min_length=1, description="An already tokenized prompt."
     )
     model: str | None = Field(
-        None, min_length=1, description="When given, must equal the worker's served model name."
+        default=None, min_length=1, description="When given, must equal the worker's served model name."
     )
-    sampling: Sampling = Field(default_factory=Sampling)
-    stream: bool = Field(False, description="Publish TokenEvents while generating.")
-    priority: Int64 = Field(0, description="Lower runs first.")
+    sampling: Sampling = Field(default_factory=lambda: Sampling())
+    stream: bool = Field(default=False, description="Publish TokenEvents while generating.")
+    priority: Int64 = Field(default=0, description="Lower runs first.")
     deadline_ms: Int64 | None = Field(
-        None, ge=0, description="Unix time in ms; a job not started by then gets status expired."
+        default=None, ge=0, description="Unix time in ms; a job not started by then gets status expired."
     )
     tenant: str | None = Field(
-        None, min_length=1, max_length=256, description="Quota and prefix-cache isolation unit."
+        default=None, min_length=1, max_length=256, description="Quota and prefix-cache isolation unit."
     )
     metadata: dict[str, Any] | None = Field(
-        None, description="Echoed unchanged in the Result; at most 16 KiB as compact UTF-8 JSON."
+        default=None, description="Echoed unchanged in the Result; at most 16 KiB as compact UTF-8 JSON."
     )
 
     @field_validator("metadata")

@@ -42,7 +42,7 @@ class TokenEvent(RecordModel):
     index: Count = Field(description="Counts this attempt's events from 0 without gaps.")
     token_ids: list[TokenId] = Field(description="Token ids new in this event.")
     text: str = Field(description="Text new in this event (held back while it could start a stop string).")
-    finished: bool = Field(False, description="True on the attempt's last event.")
+    finished: bool = Field(default=False, description="True on the attempt's last event.")
 
     def to_json_bytes(self) -> bytes:
         return self.model_dump_json().encode()
@@ -51,14 +51,14 @@ class TokenEvent(RecordModel):
 class Usage(RecordModel):
     prompt_tokens: Count = 0
     completion_tokens: Count = 0
-    cached_prompt_tokens: Count = Field(0, description="Prompt tokens served from the prefix cache.")
+    cached_prompt_tokens: Count = Field(default=0, description="Prompt tokens served from the prefix cache.")
 
 
 class Timing(RecordModel):
-    queue_ms: NonNegativeMs = Field(0.0, description="Arrival at the engine -> first scheduled.")
-    ttft_ms: NonNegativeMs = Field(0.0, description="Arrival -> first output token.")
-    decode_ms: NonNegativeMs = Field(0.0, description="First output token -> finish.")
-    total_ms: NonNegativeMs = Field(0.0, description="Arrival -> finish.")
+    queue_ms: NonNegativeMs = Field(default=0.0, description="Arrival at the engine -> first scheduled.")
+    ttft_ms: NonNegativeMs = Field(default=0.0, description="Arrival -> first output token.")
+    decode_ms: NonNegativeMs = Field(default=0.0, description="First output token -> finish.")
+    total_ms: NonNegativeMs = Field(default=0.0, description="Arrival -> finish.")
 
 
 class Source(RecordModel):
@@ -125,20 +125,22 @@ class Result(RecordModel):
 
     job_id: JobId
     status: Status
-    text: str = Field("", description="The generated text (empty unless status is ok).")
+    text: str = Field(default="", description="The generated text (empty unless status is ok).")
     token_ids: list[TokenId] = Field(default_factory=list, description="The generated token ids.")
     finish_reason: FinishReasonName | None = Field(
-        None, description="stop (EOS, stop string or stop token) or length; null unless status is ok."
+        default=None, description="stop (EOS, stop string or stop token) or length; null unless status is ok."
     )
     model: str = Field(description="The worker's served model name.")
     worker: str = Field(description="The worker that ran this execution.")
     attempt: str = Field(min_length=1, description="Unique per execution of the job.")
-    usage: Usage = Field(default_factory=Usage)
-    timing: Timing = Field(default_factory=Timing)
+    usage: Usage = Field(default_factory=lambda: Usage())
+    timing: Timing = Field(default_factory=lambda: Timing())
     source: Source | None = None
-    metadata: dict[str, Any] | None = Field(None, description="The job's metadata, unchanged.")
-    error: ErrorInfo | None = Field(None, description="Set exactly when status is error.")
-    logprobs: list[TokenLogprob] | None = Field(None, description="One per generated token, when asked.")
+    metadata: dict[str, Any] | None = Field(default=None, description="The job's metadata, unchanged.")
+    error: ErrorInfo | None = Field(default=None, description="Set exactly when status is error.")
+    logprobs: list[TokenLogprob] | None = Field(
+        default=None, description="One per generated token, when asked."
+    )
 
     @model_validator(mode="after")
     def _status_agrees(self) -> Result:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from typing import Any
+from typing import Any, cast
 
 from schemas import (
     ERROR_CODES,
@@ -26,6 +26,7 @@ from schemas import Timing as TimingRecord
 from schemas import TokenLogprob as TokenLogprobRecord
 from schemas import TopLogprob as TopLogprobRecord
 from schemas import Usage as UsageRecord
+from schemas.constants import ErrorCode
 from worker.engine.types import (
     EngineRequest,
     FinishReason,
@@ -195,7 +196,7 @@ def build_result(
         code, message = split_engine_error(delta.error)
     else:  # ABORTED
         code, message = ERROR_INTERNAL, f"aborted before finishing{': ' + delta.error if delta.error else ''}"
-    return Result(status=STATUS_ERROR, error=ErrorInfo(code=code, message=message), **common)
+    return Result(status=STATUS_ERROR, error=ErrorInfo(code=cast(ErrorCode, code), message=message), **common)
 
 
 def error_result(
@@ -220,5 +221,5 @@ def error_result(
         attempt=attempt,
         source=source,
         metadata=metadata,
-        error=ErrorInfo(code=code, message=message or code),
+        error=ErrorInfo(code=cast(ErrorCode, code), message=message or code),
     )
