@@ -394,3 +394,16 @@ def test_penalties_follow_a_growing_output_across_steps():
         tok = sampler(logits, [inp])[0].token_id
         assert want[tok] == 1.0
         inp.output_token_ids.append(tok if step % 3 else 4)  # repeat a token now and then
+
+
+def test_masked_token_stays_masked_under_penalties_that_would_raise_it():
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 5] = 3.0  # EOS, also repeated in the output with a negative frequency penalty
+    logits[0, 11] = 2.0
+    params = SamplingParams(
+        temperature=0.0, min_tokens=10, stop_token_ids=[5, 5, 7], frequency_penalty=-2.0, repetition_penalty=0.5
+    )
+    inp = SamplingInputs(params, [5, 11], [5, 5, 5], EOS)
+    assert Sampler()(logits, [inp])[0].token_id == 11
+    assert reference_distribution(logits[0], inp)[11] == 1.0
+    assert torch.all(logits[0, [5, 11]] == torch.tensor([3.0, 2.0]))  # put back afterwards

@@ -168,10 +168,12 @@ class Sampler:
         greedy_choice = random_probs = None
 
         flat = logits.view(-1)
-        positions, values = _edits(logits, inputs)
-        saved = flat[positions] if positions is not None else None
+        edits = _edits(logits, inputs)
+        saved = [(positions, flat[positions]) for positions, _ in edits]
         try:
-            if positions is not None:
+            # One write per group, in order: a position both penalised and masked ends at -inf.
+            # (Within one index_put_, duplicate positions would race on a GPU.)
+            for positions, values in edits:
                 flat[positions] = values
             if greedy:
                 rows = logits if len(greedy) == len(inputs) else logits[greedy_rows]
@@ -183,9 +185,9 @@ class Sampler:
                 x = rows / temps.unsqueeze(1)  # a new tensor: truncation below may write into it
                 random_probs = _truncated_probs(x, params)
         finally:
-            if positions is not None:
-                flat[positions] = saved
-        return _Processed(greedy_rows, greedy_choice, random_rows, random_probs)
+            for positions, original in reversed(saved):
+                flat[positions] = original
+        return _Processed(greedy_rows, greedy_choice, random_rows, random, random_probs)
 
     def _sample(self, processed: _Processed, inputs: Sequence[SamplingInputs], n: int, device) -> torch.Tensor:
         """Token id per row [N] (on the logits' device)."""
@@ -193,7 +195,7 @@ class Sampler:
         if processed.greedy_choice is not None:
             token_ids[processed.greedy_rows] = processed.greedy_choice
         if processed.random_probs is not None:
-            uniforms = self._uniforms([inputs[i] for i in processed.random_rows.tolist()])
+            uniforms = self._uniforms([inputs[i] for i in processed.random_row_list])
             token_ids[processed.random_rows] = _inverse_cdf(processed.random_probs, uniforms.to(device))
         return token_ids
 
@@ -238,6 +240,7 @@ class _Processed:
     greedy_rows: torch.Tensor  # long [G]
     greedy_choice: torch.Tensor | None  # long [G]: argmax after masks and penalties
     random_rows: torch.Tensor  # long [R]
+    random_row_list: list[int]  # the same rows, on the host
     random_probs: torch.Tensor | None  # [R, V]: the distribution each random row is drawn from
 
 
@@ -246,13 +249,12 @@ def _check_ids(ids: torch.Tensor, vocab: int, what: str) -> None:
         raise ValueError(f"{what} token ids must be in [0, {vocab}); got min {int(ids.min())}, max {int(ids.max())}")
 
 
-def _edits(logits: torch.Tensor, inputs: Sequence[SamplingInputs]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Flat positions of the logits that min_tokens and the penalties change, with their new values.
+def _edits(logits: torch.Tensor, inputs: Sequence[SamplingInputs]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(flat positions, new values) groups for what the penalties and min_tokens change, in the
+    order they must be written. Positions are unique within a group.
 
     Penalties only change tokens that occur in the prompt or the output, so they are computed on
     those (row, token) pairs alone (found with one torch.unique), never densely over [N, V].
-    A position may appear twice (penalised, then masked): the later value, -inf, wins when the
-    caller writes them in order.
     """
     device = logits.device
     vocab = logits.shape[1]
@@ -301,13 +303,11 @@ def _edits(logits: torch.Tensor, inputs: Sequence[SamplingInputs]) -> tuple[torc
         rows.extend([i] * len(blocked))
         cols.extend(blocked)
     if rows:
-        masked = torch.tensor(rows, dtype=torch.long) * vocab + torch.tensor(cols, dtype=torch.long)
+        masked = torch.unique(torch.tensor(rows, dtype=torch.long) * vocab + torch.tensor(cols, dtype=torch.long))
         positions.append(masked.to(device))
-        values.append(torch.full((len(rows),), float("-inf"), device=device))
+        values.append(torch.full((masked.numel(),), float("-inf"), device=device))
 
-    if not positions:
-        return None, None
-    return torch.cat(positions), torch.cat(values)
+    return list(zip(positions, values))
 
 
 def _ids_tensor(ids: Sequence[int], vocab: int, what: str) -> torch.Tensor:
