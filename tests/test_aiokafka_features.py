@@ -392,6 +392,7 @@ async def test_two_members_split_partitions_and_one_takes_over(kafka_bootstrap, 
             await other.stop()
         took_over_at = await survivor.until(lambda m: m.assignment == [0, 1, 2, 3], timeout=60)
         takeover_s = took_over_at - gone_at
+        print(f"takeover after the other member {how}: {takeover_s:.2f} s (session {session_ms} ms)")
 
         # The survivor continues the dead member's partitions from their committed offsets:
         # the 'before' records it already handled are not delivered again, new ones are.
@@ -643,3 +644,33 @@ async def test_new_producer_with_same_transactional_id_fences_the_old_one(kafka_
         await old.stop()
     got = await _read(kafka_bootstrap, topic, expect=1, isolation_level="read_committed")
     assert [m.value for m in got] == [b"successor"]
+
+
+async def test_successor_init_makes_predecessor_offsets_visible(kafka_bootstrap, new_topic):
+    """aiokafka's OffsetFetch (v3) cannot ask for stable offsets (KIP-447), so right after a
+    transaction commits its offsets may still read as the old value. A partition's new owner
+    avoids that by starting the partition's transactional producer (same transactional id)
+    first: InitProducerId returns only after the predecessor's transaction is complete."""
+    topic = new_topic(partitions=1)
+    group = f"g-{_uid()}"
+    transactional_id = f"tx-{_uid()}"
+    tp = TopicPartition(topic, 0)
+    reader = AIOKafkaConsumer(bootstrap_servers=kafka_bootstrap, group_id=group, enable_auto_commit=False)
+    await reader.start()
+    try:
+        for round_, offset in enumerate((10, 20, 30)):
+            predecessor = AIOKafkaProducer(bootstrap_servers=kafka_bootstrap, transactional_id=transactional_id)
+            await predecessor.start()
+            async with predecessor.transaction():
+                await predecessor.send(topic, b"result %d" % round_, partition=0)
+                await predecessor.send_offsets_to_transaction({tp: offset}, group)
+            # The predecessor vanishes without a clean close (no further requests from it).
+            successor = AIOKafkaProducer(bootstrap_servers=kafka_bootstrap, transactional_id=transactional_id)
+            await successor.start()
+            try:
+                assert await reader.committed(tp) == offset  # read once, no polling
+            finally:
+                await successor.stop()
+                await predecessor.stop()
+    finally:
+        await reader.stop()
