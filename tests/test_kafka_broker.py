@@ -7,7 +7,9 @@ disturb the session broker the other Kafka tests share.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -21,7 +23,7 @@ from aiokafka.errors import UnknownTopicOrPartitionError
 
 from worker.cli import main
 from worker.kafka.admin import TopicError, TopicSpec, create_topic, delete_topics, ensure_topics
-from worker.kafka.local_broker import LocalKafka, LocalKafkaError, free_port
+from worker.kafka.local_broker import LocalKafka, LocalKafkaError, free_port, kafka_script
 
 pytestmark = pytest.mark.kafka
 
@@ -225,3 +227,25 @@ def test_new_topic_fixture_makes_unique_ready_topics(new_topic, kafka_bootstrap)
 
     assert asyncio.run(_partitions(kafka_bootstrap, first)) == {0}
     assert asyncio.run(_partitions(kafka_bootstrap, second)) == {0, 1, 2}
+
+
+def test_jars_lock_matches_the_pom_and_the_fetched_jars():
+    """jars.lock (used to fetch without Maven) must name exactly the jars Maven resolves."""
+    deploy = kafka_script().parent
+    pom = (deploy / "pom.xml").read_text()
+    kafka_version = re.search(r"<kafka.version>(.+?)</kafka.version>", pom).group(1)
+    log4j_version = re.search(r"<log4j2.version>(.+?)</log4j2.version>", pom).group(1)
+    lock = (deploy / "jars.lock").read_text().splitlines()
+    assert f"kafka.version={kafka_version}" in lock
+    entries = dict(line.split() for line in lock if line and not line.startswith(("#", "kafka.version=")))
+    assert f"org.apache.kafka:kafka_2.13:{kafka_version}" in entries
+    assert f"org.apache.logging.log4j:log4j-core:{log4j_version}" in entries
+
+    if os.environ.get("TOKENMILL_KAFKA_VERSION", kafka_version) != kafka_version:
+        return  # the cache holds another version's jars; only the pom/lock agreement applies
+    libs = subprocess.run(["bash", str(kafka_script()), "libs"], capture_output=True, text=True,
+                          check=True, timeout=900).stdout.strip()
+    fetched = {name: hashlib.sha256(open(os.path.join(libs, name), "rb").read()).hexdigest()
+               for name in os.listdir(libs) if name.endswith(".jar")}
+    locked = {f"{coords.split(':')[1]}-{coords.split(':')[2]}.jar": digest for coords, digest in entries.items()}
+    assert fetched == locked

@@ -7,6 +7,7 @@
 #   kafka.sh status --data-dir D                      exit 0 running, 3 stopped
 #   kafka.sh stop   --data-dir D [--timeout S]        SIGTERM, wait, SIGKILL fallback
 #   kafka.sh libs                                     print the jar directory (after fetch)
+#   kafka.sh lock                                     rewrite jars.lock from pom.xml (needs Maven)
 #
 # Everything a running node needs lives in its data directory:
 #   D/server.properties  D/kafka.pid  D/kafka.log  D/ports  D/log/ (the Kafka log dir)
@@ -15,6 +16,8 @@
 #
 # Environment: TOKENMILL_CACHE (default ~/.cache/tokenmill) holds the jars under
 # kafka/<version>/libs; TOKENMILL_KAFKA_VERSION overrides the version pinned in pom.xml;
+# TOKENMILL_KAFKA_FETCH=maven|curl forces how fetch gets the jars (default: Maven if installed);
+# MAVEN_CENTRAL_URL replaces Maven Central for the curl fallback of fetch;
 # KAFKA_HEAP_OPTS and KAFKA_JVM_OPTS replace the default JVM settings; JAVA (default: java).
 set -euo pipefail
 
@@ -33,32 +36,96 @@ CACHE_ROOT="${TOKENMILL_CACHE:-$HOME/.cache/tokenmill}"
 LIBS="$CACHE_ROOT/kafka/$KAFKA_VERSION/libs"
 
 # ---------------------------------------------------------------------------------------------
-# fetch: resolve the pom with Maven and copy every runtime jar into $LIBS. A marker file written
-# last makes a finished copy recognisable; the copy goes to a temporary directory first and is
-# renamed into place, so an interrupted or concurrent fetch never leaves a half-filled $LIBS.
+# fetch: copy every runtime jar of the pom into $LIBS, with Maven when it is installed, else with
+# curl from Maven Central using jars.lock (exact versions and SHA-256 sums, written by `lock`).
+# A marker file written last makes a finished copy recognisable; the copy goes to a temporary
+# directory first and is renamed into place, so an interrupted or concurrent fetch never leaves
+# a half-filled $LIBS.
+LOCK="$HERE/jars.lock"
+MAVEN_CENTRAL="${MAVEN_CENTRAL_URL:-https://repo.maven.apache.org/maven2}"
+
+fetch_with_maven() {  # fetch_with_maven DIR
+    mvn -q -B -Dstyle.color=never -f "$POM" "-Dkafka.version=$KAFKA_VERSION" \
+        dependency:copy-dependencies -DincludeScope=runtime "-DoutputDirectory=$1" >&2
+}
+
+fetch_with_curl() {  # fetch_with_curl DIR
+    [[ -f "$LOCK" ]] || die "no $LOCK to fetch from without Maven"
+    local locked
+    locked="$(sed -n 's/^kafka.version=//p' "$LOCK")"
+    [[ "$locked" == "$KAFKA_VERSION" ]] \
+        || die "jars.lock pins Kafka $locked, not $KAFKA_VERSION; install Maven or run 'kafka.sh lock'"
+    command -v curl >/dev/null || die "neither Maven nor curl is installed; one of them is needed once to fetch the Kafka jars"
+    local coords sum group artifact version jar
+    while read -r coords sum; do
+        [[ -z "$coords" || "$coords" == \#* || "$coords" == kafka.version=* ]] && continue
+        IFS=: read -r group artifact version <<<"$coords"
+        jar="$artifact-$version.jar"
+        curl -fsSL --retry 3 -o "$1/$jar" "$MAVEN_CENTRAL/${group//.//}/$artifact/$version/$jar" \
+            || die "download of $coords from $MAVEN_CENTRAL failed"
+        echo "$sum  $1/$jar" | sha256sum -c --quiet - >&2 || die "checksum mismatch for $jar"
+    done <"$LOCK"
+}
+
 cmd_fetch() {
     if [[ -f "$LIBS/.complete" ]]; then
         return 0
     fi
-    command -v mvn >/dev/null || die "Maven (mvn) is needed once to fetch the Kafka jars; install it (e.g. apt-get install maven)"
     command -v "$JAVA" >/dev/null || die "Java 17+ is needed to run Kafka $KAFKA_VERSION; install it (e.g. apt-get install openjdk-17-jre-headless)"
     local parent tmp
     parent="$(dirname "$LIBS")"
     mkdir -p "$parent"
     tmp="$(mktemp -d "$parent/libs.tmp.XXXXXX")"
     echo "kafka.sh: fetching Apache Kafka $KAFKA_VERSION jars into $LIBS" >&2
-    if ! mvn -q -B -Dstyle.color=never -f "$POM" "-Dkafka.version=$KAFKA_VERSION" \
-            dependency:copy-dependencies -DincludeScope=runtime "-DoutputDirectory=$tmp" >&2; then
-        rm -rf "$tmp"
-        die "Maven could not fetch org.apache.kafka:kafka_2.13:$KAFKA_VERSION (see the output above)"
+    local method="${TOKENMILL_KAFKA_FETCH:-auto}"  # auto | maven | curl
+    [[ "$method" == auto || "$method" == maven || "$method" == curl ]] \
+        || die "TOKENMILL_KAFKA_FETCH must be auto, maven or curl (got '$method')"
+    if [[ "$method" == auto ]]; then
+        method=curl
+        command -v mvn >/dev/null && method=maven
+    fi
+    if [[ "$method" == maven ]]; then
+        fetch_with_maven "$tmp" || { rm -rf "$tmp"; die "Maven could not fetch org.apache.kafka:kafka_2.13:$KAFKA_VERSION (see the output above)"; }
+    else
+        ( fetch_with_curl "$tmp" ) || { rm -rf "$tmp"; die "fetching the jars listed in $LOCK failed"; }
     fi
     ls "$tmp"/kafka_2.13-*.jar >/dev/null 2>&1 || { rm -rf "$tmp"; die "no kafka_2.13 jar after the fetch"; }
     date -u +%FT%TZ >"$tmp/.complete"
+    # A directory without the marker is the remains of a copy made some other way: replace it.
+    [[ -d "$LIBS" && ! -f "$LIBS/.complete" ]] && rm -rf "$LIBS"
     if ! mv -T "$tmp" "$LIBS" 2>/dev/null; then
         # Another fetch finished first; its copy is as good as ours.
         rm -rf "$tmp"
         [[ -f "$LIBS/.complete" ]] || die "could not move the jars into $LIBS"
     fi
+}
+
+# lock: resolve the pom with Maven and write jars.lock (coordinates and SHA-256 of every jar),
+# so that machines without Maven can fetch exactly the same files.
+cmd_lock() {
+    command -v mvn >/dev/null || die "lock needs Maven"
+    local work list
+    work="$(mktemp -d)"
+    list="$work/list.txt"
+    mvn -q -B -Dstyle.color=never -f "$POM" "-Dkafka.version=$KAFKA_VERSION" dependency:list \
+        -DincludeScope=runtime -DoutputAbsoluteArtifactFilename=true "-DoutputFile=$list" >&2 \
+        || { rm -rf "$work"; die "Maven could not resolve $POM"; }
+    {
+        echo "# Runtime jars of deploy/kafka/pom.xml with their SHA-256, written by 'kafka.sh lock'."
+        echo "# 'kafka.sh fetch' downloads these from Maven Central when Maven is not installed."
+        echo "kafka.version=$KAFKA_VERSION"
+        # Lines look like: group:artifact:jar:version:scope:/abs/path.jar [-- module ...]
+        sed -n 's/^ *\([^: ]*\):\([^: ]*\):jar:\([^: ]*\):[a-z]*:\([^ ]*\.jar\).*/\1:\2:\3 \4/p' "$list" |
+            while read -r coords path; do
+                echo "$coords $(sha256sum "$path" | cut -d' ' -f1)"
+            done | sort
+    } >"$work/jars.lock"
+    local count
+    count="$(grep -c '^[a-z].*:.* [0-9a-f]\{64\}$' "$work/jars.lock" || true)"
+    [[ "$count" -gt 0 ]] || { rm -rf "$work"; die "lock: no jars found in Maven's list"; }
+    mv "$work/jars.lock" "$LOCK"
+    rm -rf "$work"
+    echo "kafka.sh: wrote $LOCK ($count jars)" >&2
 }
 
 # ---------------------------------------------------------------------------------------------
@@ -310,6 +377,7 @@ main() {
     [[ $# -gt 0 ]] && shift
     case "$cmd" in
         fetch) cmd_fetch "$@" ;;
+        lock) cmd_lock "$@" ;;
         libs) cmd_fetch && echo "$LIBS" ;;
         start) cmd_start "$@" ;;
         status) cmd_status "$@" ;;
@@ -319,7 +387,7 @@ main() {
         -h|--help|help|"")
             awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "${BASH_SOURCE[0]}"
             [[ -n "$cmd" ]] ;;
-        *) die "unknown command '$cmd' (fetch, start, status, stop, libs, version)" ;;
+        *) die "unknown command '$cmd' (fetch, lock, start, status, stop, libs, version)" ;;
     esac
 }
 
