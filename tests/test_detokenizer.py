@@ -164,19 +164,16 @@ def test_prompt_ending_inside_a_character_does_not_leak_into_output(tokenizer):
 def test_decoding_window_stays_small(tokenizer):
     """O(1)-ish per token: each step decodes a few tokens, not the whole output."""
     windows = []
-    backend = tokenizer.backend_tokenizer
 
-    class Recording:
-        def decode(self, ids, skip_special_tokens=True):
+    class Recording:  # a tokenizer without a Rust backend: the detokenizer calls decode()
+        def decode(self, ids, skip_special_tokens=True, clean_up_tokenization_spaces=None):
+            assert clean_up_tokenization_spaces is False
             windows.append(len(ids))
-            return backend.decode(ids, skip_special_tokens=skip_special_tokens)
-
-    class Wrapped:
-        backend_tokenizer = Recording()
+            return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     ids = encode(tokenizer, " ".join(TEXTS * 8))
     assert len(ids) > 300
-    pieces, _, detok = run(Wrapped(), ids, prompt=encode(tokenizer, "a long prompt " * 20))
+    pieces, _, detok = run(Recording(), ids, prompt=encode(tokenizer, "a long prompt " * 20))
     assert detok.text == tokenizer.decode(ids)
     assert max(windows) <= 12
     assert len(windows) <= 2 * len(ids) + 2
@@ -190,6 +187,12 @@ def test_bad_stop_strings_and_use_after_flush_are_errors(tokenizer):
     detok.flush()
     with pytest.raises(RuntimeError):
         detok.add(5)
+
+
+def test_bare_rust_tokenizer_works_too(tokenizer):
+    ids = encode(tokenizer, "café 🎉 ok")
+    pieces, _, _ = run(tokenizer.backend_tokenizer, ids, stop=["ok"])
+    assert "".join(pieces) == "café 🎉 "
 
 
 def test_find_first_stop():
