@@ -72,7 +72,7 @@ GPU_ATTENTION_CASES = [  # GPU-sized shapes with the kernel's own tile choices
 def make_attention_inputs(case: AttentionCase, dtype: torch.dtype, device, seed: int = 0, extra_blocks: int = 3):
     """Random query, caches and metadata; each row's blocks are a random permutation of the pool."""
     gen = torch.Generator().manual_seed(seed)
-    seq_lens = [c + q for c, q in zip(case.ctx_lens, case.q_lens)]
+    seq_lens = [c + q for c, q in zip(case.ctx_lens, case.q_lens, strict=True)]
     blocks_per_row = [math.ceil(s / case.block_size) for s in seq_lens]
     pool = sum(blocks_per_row) + extra_blocks  # spare blocks hold garbage that must never be read
     perm = torch.randperm(pool, generator=gen).tolist()
@@ -176,12 +176,12 @@ def run_all(device, dtypes, cases=None) -> list[dict]:
 
     for dtype in dtypes:
         for case in cases if cases is not None else ATTENTION_CASES:
-            record(f"paged_attention/{case.name}", dtype, lambda c=case: attention_error(c, dtype, device))
-        record("kv_write", dtype, lambda: float(kv_write_mismatches(dtype, device)))
-        record("rms_norm", dtype, lambda: rms_norm_error(dtype, device, with_residual=False))
-        record("rms_norm_residual", dtype, lambda: rms_norm_error(dtype, device))
-        record("rotary", dtype, lambda: rotary_error(dtype, device))
-        record("silu_mul", dtype, lambda: silu_mul_error(dtype, device))
+            record(f"paged_attention/{case.name}", dtype, lambda c=case, d=dtype: attention_error(c, d, device))
+        record("kv_write", dtype, lambda d=dtype: float(kv_write_mismatches(d, device)))
+        record("rms_norm", dtype, lambda d=dtype: rms_norm_error(d, device, with_residual=False))
+        record("rms_norm_residual", dtype, lambda d=dtype: rms_norm_error(d, device))
+        record("rotary", dtype, lambda d=dtype: rotary_error(d, device))
+        record("silu_mul", dtype, lambda d=dtype: silu_mul_error(d, device))
     return results
 
 

@@ -13,6 +13,7 @@ from tools import gpu_check
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_dry_run_writes_a_complete_report_without_kafka_pydantic_or_boto3(tmp_path):
     """One full dry run in a fresh interpreter (so sys.modules shows exactly what gpu_check imports)."""
     driver = (

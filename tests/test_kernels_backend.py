@@ -62,6 +62,7 @@ def _hf_greedy(model_dir, prompts, max_new_tokens):
     return outs
 
 
+@pytest.mark.slow
 def test_engine_with_triton_backend_matches_transformers(tiny_llama_dir):
     from worker.engine.engine import Engine, EngineConfig
     from worker.engine.types import EngineRequest, SamplingParams

@@ -18,7 +18,7 @@ BLOCK = 4
 def _meta(rows, tables, width):
     """rows: (context_len, new_len) per sequence; tables: block ids per sequence."""
     qsl, seq_lens, slots = [0], [], []
-    for (ctx, new), table in zip(rows, tables):
+    for (ctx, new), table in zip(rows, tables, strict=True):
         qsl.append(qsl[-1] + new)
         seq_lens.append(ctx + new)
         slots += [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(ctx, ctx + new)]
@@ -65,7 +65,7 @@ def test_padded_decode_equals_exact_decode_and_padding_writes_nothing(prefilled)
     # The new K/V of the real rows match to rounding (a batch of 8 rows may round its matmuls
     # differently from a batch of 3); every other slot, block 0 included, is untouched.
     written = meta.slot_mapping
-    for (ek, ev), (pk, pv), (k0, v0) in zip(exact_kv, padded_kv, kv):
+    for (ek, ev), (pk, pv), (k0, v0) in zip(exact_kv, padded_kv, kv, strict=True):
         for exact_c, padded_c, before in ((ek, pk, k0), (ev, pv, v0)):
             e, p, b = (c.view(-1, *c.shape[2:]) for c in (exact_c, padded_c, before))
             torch.testing.assert_close(p[written], e[written], atol=1e-5, rtol=0)

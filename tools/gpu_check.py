@@ -31,9 +31,10 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 # ---------------------------------------------------------------------------------------------- sizes
 
@@ -317,16 +318,13 @@ def section_attention(ctx: Context) -> dict:
         qsl = torch.arange(batch + 1, dtype=torch.int32, device=ctx.device)
         query = torch.randn((batch, heads, head_dim), dtype=dtype, device=ctx.device)
 
-        def call():
-            return paged_attention(query, key_cache, value_cache, block_tables, seq_lens, qsl, head_dim**-0.5,
-                                   max_query_len=1, max_seq_len=seq_len, num_splits=splits)
-
-        ms = time_ms(call, ctx.device, iters=ctx.sizes.bench_iters)
+        args = (query, key_cache, value_cache, block_tables, seq_lens, qsl, head_dim**-0.5)
+        hints = dict(max_query_len=1, max_seq_len=seq_len, num_splits=splits)
+        ms = time_ms(lambda a=args, h=hints: paged_attention(*a, **h), ctx.device, iters=ctx.sizes.bench_iters)
         kv_bytes = 2 * batch * seq_len * kv_heads * head_dim * key_cache.element_size()
         moved = kv_bytes + 2 * query.numel() * query.element_size()  # + query read and output write
         runs.append(dict(label=label, batch=batch, context=context, forced_splits=splits, ms=ms,
                          bytes=moved, bytes_per_s=moved / (ms / 1e3), fraction_of_copy=moved / (ms / 1e3) / copy_bw))
-        del key_cache, value_cache
     best = max(r["fraction_of_copy"] for r in runs)
     return dict(heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype=ctx.sizes.model_dtype, runs=runs,
                 best_fraction_of_copy=best)
@@ -371,12 +369,8 @@ def section_decode_step(ctx: Context) -> dict:
         )
         input_ids = torch.randint(0, config.vocab_size, (batch,), device=ctx.device)
 
-        @torch.inference_mode()
-        def step():
-            hidden = model(input_ids, positions, meta, kv_caches)
-            return model.compute_logits(hidden)
-
-        ms = time_ms(step, ctx.device, iters=ctx.sizes.bench_iters)
+        step_args = (input_ids, positions, meta, kv_caches)
+        ms = time_ms(lambda a=step_args: model.compute_logits(model(*a)), ctx.device, iters=ctx.sizes.bench_iters)
         step_bytes = weights + batch * seq_len * kv_bytes_per_token
         roofline_ms = step_bytes / copy_bw * 1e3
         run = dict(batch=batch, context=ctx.sizes.decode_context, step_ms=ms, roofline_ms=roofline_ms,
@@ -385,15 +379,12 @@ def section_decode_step(ctx: Context) -> dict:
         try:
             graphs = DecodeGraphRunner(model, kv_caches, max_blocks_per_seq=blocks_per_seq, batch_sizes=(batch,))
             graphs.capture()
-            graph_ms = time_ms(lambda: graphs.run(input_ids, positions, meta), ctx.device, iters=ctx.sizes.bench_iters)
+            graph_ms = time_ms(lambda g=graphs, a=step_args[:3]: g.run(*a), ctx.device, iters=ctx.sizes.bench_iters)
             run.update(graph_step_ms=graph_ms, graph_roofline_over_step=roofline_ms / graph_ms,
                        graph_tokens_per_s=batch / (graph_ms / 1e3))
-            del graphs
         except Exception as exc:
             run["graph_error"] = f"{type(exc).__name__}: {exc}"
         runs.append(run)
-        del kv_caches
-    del model
     return dict(weight_bytes=weights, kv_bytes_per_token=kv_bytes_per_token, runs=runs)
 
 
@@ -405,7 +396,7 @@ def roofline_ceiling(prompt_lens: list[int], output_lens: list[int], weight_byte
     reads the weights and the whole context of each running sequence; prefill is left out (it is
     compute-bound and tiny next to the decode steps here). Returns the ceiling time and tokens/s.
     """
-    pending = list(zip(prompt_lens, output_lens))[::-1]
+    pending = list(zip(prompt_lens, output_lens, strict=True))[::-1]
     running: list[list[int]] = []  # [context, tokens left]
     total_bytes = 0
     steps = 0
@@ -540,7 +531,7 @@ def section_mixed(ctx: Context) -> dict:
                                    sampling=SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))])
     requests = [EngineRequest(request_id=f"m{i}", prompt_token_ids=p,
                               sampling=SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True))
-                for i, (p, o) in enumerate(zip(prompts, outputs))]
+                for i, (p, o) in enumerate(zip(prompts, outputs, strict=True))]
     synchronize(ctx.device)
     t0 = time.perf_counter()
     results = engine.generate(requests)
