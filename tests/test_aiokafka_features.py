@@ -673,3 +673,82 @@ async def test_successor_init_makes_predecessor_offsets_visible(kafka_bootstrap,
                 await predecessor.stop()
     finally:
         await reader.stop()
+
+
+# ---- static membership ---------------------------------------------------------------------
+
+
+class _CountingListener:
+    """Counts rebalances one member goes through (eager protocol: each one revokes all)."""
+
+    def __init__(self) -> None:
+        self.revoked = 0
+        self.assigned: list[list[int]] = []
+
+    async def on_partitions_revoked(self, revoked) -> None:
+        self.revoked += 1
+
+    async def on_partitions_assigned(self, assigned) -> None:
+        self.assigned.append(sorted(tp.partition for tp in assigned))
+
+
+async def test_static_member_restart_keeps_its_partitions_without_a_rebalance(kafka_bootstrap, new_topic):
+    """group_instance_id (KIP-345): a worker restarting within the session timeout gets its
+    partitions back and the other members are not disturbed. A static member's stop() sends no
+    LeaveGroup, so if it does not come back its partitions move only after the session timeout."""
+    from aiokafka.abc import ConsumerRebalanceListener
+
+    topic = new_topic(partitions=4)
+    group = f"g-{_uid()}"
+    session_ms = 3000
+
+    class Listener(_CountingListener, ConsumerRebalanceListener):
+        pass
+
+    def member(instance: str, listener: Listener) -> AIOKafkaConsumer:
+        consumer = AIOKafkaConsumer(bootstrap_servers=kafka_bootstrap, group_id=group,
+                                    group_instance_id=instance, enable_auto_commit=False,
+                                    auto_offset_reset="earliest", session_timeout_ms=session_ms,
+                                    heartbeat_interval_ms=HEARTBEAT_MS)
+        consumer.subscribe([topic], listener=listener)
+        return consumer
+
+    async def poll_until(consumers, predicate, timeout: float = 30.0) -> float:
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            assert time.monotonic() < deadline, [sorted(tp.partition for tp in c.assignment()) for c in consumers]
+            await asyncio.gather(*(c.getmany(timeout_ms=50) for c in consumers))
+        return time.monotonic()
+
+    def parts(consumer: AIOKafkaConsumer) -> list[int]:
+        return sorted(tp.partition for tp in consumer.assignment())
+
+    stay_listener, restart_listener = Listener(), Listener()
+    stay = member("worker-a", stay_listener)
+    first = member("worker-b", restart_listener)
+    await stay.start()
+    await first.start()
+    second = None
+    try:
+        await poll_until([stay, first], lambda: len(parts(stay)) == 2 and len(parts(first)) == 2)
+        before = parts(first)
+        rebalances_seen_by_stay = stay_listener.revoked
+
+        await first.stop()  # static: no LeaveGroup
+        second = member("worker-b", Listener())
+        await second.start()
+        await poll_until([stay, second], lambda: parts(second) == before)
+        await asyncio.gather(*(c.getmany(timeout_ms=500) for c in (stay, second)))
+        assert parts(stay) == sorted(set(range(4)) - set(before))
+        assert stay_listener.revoked == rebalances_seen_by_stay  # no rebalance for the other member
+
+        # Now it goes away for good: nothing moves until its session times out.
+        await second.stop()
+        second = None
+        gone_at = time.monotonic()
+        took_over_at = await poll_until([stay], lambda: parts(stay) == [0, 1, 2, 3])
+        assert (took_over_at - gone_at) >= session_ms / 1000 * 0.8
+    finally:
+        await stay.stop()
+        if second is not None:
+            await second.stop()
