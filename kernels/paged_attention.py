@@ -312,10 +312,17 @@ def paged_attention(
     if block_n is None:
         block_n = 64 if head_dim_p <= 64 else 32
     num_q_programs = num_tokens // block_q + num_seqs
+    if max_seq_len is not None and max_seq_len > block_tables.shape[1] * block_size:
+        raise ValueError(
+            f"max_seq_len {max_seq_len} needs more blocks than block_tables has columns "
+            f"({block_tables.shape[1]} x block_size {block_size})"
+        )
     if num_splits is None:
         if max_seq_len is None:
             max_seq_len = int(seq_lens.max())
-        num_splits = choose_num_splits(num_q_programs * num_kv_heads, max_seq_len, query.device)
+        # Tiles that do work (the rest of the grid exits at once): one per row for decode steps.
+        working = max(num_seqs, triton.cdiv(num_tokens, block_q))
+        num_splits = choose_num_splits(working * num_kv_heads, max_seq_len, query.device)
     if not 1 <= num_splits <= 256:
         raise ValueError(f"num_splits must be in [1, 256], got {num_splits}")
 

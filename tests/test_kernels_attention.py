@@ -91,6 +91,8 @@ def test_bad_inputs_raise_clear_errors():
         paged_attention(**{**inputs, "query_start_loc": inputs["query_start_loc"][:1]}, scale=1.0)
     with pytest.raises(ValueError, match="num_splits"):
         paged_attention(**inputs, scale=1.0, num_splits=0)
+    with pytest.raises(ValueError, match="more blocks than block_tables"):
+        paged_attention(**inputs, scale=1.0, max_seq_len=inputs["block_tables"].shape[1] * 4 + 1)
 
 
 def test_no_split_on_cpu_or_short_contexts():

@@ -49,6 +49,42 @@ def test_backend_write_then_attend_matches_reference(num_splits):
     assert (out - ref).abs().max().item() <= 1e-5
 
 
+def test_model_logits_with_triton_equal_torch_backend(tiny_model_dir):
+    """Llama, Qwen2 (qkv bias) and Qwen3 (qk-norm, head_dim 32): a prefill step, then a mixed step of a
+    decode row and a chunked-prefill row, give the same logits with either backend."""
+    from worker.engine.attention.torch_backend import TorchAttentionBackend
+    from worker.engine.loader import load_model
+
+    logits = {}
+    for name, backend in (("torch", TorchAttentionBackend()), ("triton", TritonAttentionBackend())):
+        model, cfg = load_model(tiny_model_dir, dtype="float32", device="cpu", attention_backend=backend)
+        shape = (8, 4, cfg.num_kv_heads, cfg.head_dim)
+        kv = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(cfg.num_layers)]
+        tables = torch.tensor([[6, 1, 3], [4, 0, 7]], dtype=torch.int32)
+        steps = [  # (rows: (context, new tokens)), token ids
+            ([(0, 6), (0, 3)], list(range(10, 19))),
+            ([(6, 1), (3, 5)], [50, 60, 61, 62, 63, 64]),
+        ]
+        outs = []
+        for rows, ids in steps:
+            qsl, seq_lens, slots, pos = [0], [], [], []
+            for b, (ctx, new) in enumerate(rows):
+                qsl.append(qsl[-1] + new)
+                seq_lens.append(ctx + new)
+                for p in range(ctx, ctx + new):
+                    slots.append(int(tables[b, p // 4]) * 4 + p % 4)
+                    pos.append(p)
+            meta = AttentionMetadata(
+                query_start_loc=torch.tensor(qsl, dtype=torch.int32), seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+                block_tables=tables, slot_mapping=torch.tensor(slots), max_query_len=max(n for _, n in rows),
+                max_seq_len=max(seq_lens), query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens,
+            )
+            hidden = model(torch.tensor(ids), torch.tensor(pos), meta, kv)
+            outs.append(model.compute_logits(hidden))
+        logits[name] = torch.cat(outs)
+    torch.testing.assert_close(logits["triton"], logits["torch"], atol=1e-4, rtol=1e-4)
+
+
 def _hf_greedy(model_dir, prompts, max_new_tokens):
     from transformers import AutoModelForCausalLM
 

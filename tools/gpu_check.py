@@ -633,8 +633,10 @@ def _headline(name: str, res: dict) -> str:
     if name == "attention":
         return f"best {_fmt(res['best_fraction_of_copy'])} of copy bandwidth"
     if name == "decode_step":
-        return "; ".join(f"b{r['batch']}: {_fmt(r['step_ms'])} ms, roofline/step {_fmt(r['roofline_over_step'])}"
-                         for r in res["runs"])
+        return "; ".join(
+            f"b{r['batch']}: {_fmt(r['step_ms'])} ms, roofline/step {_fmt(r['roofline_over_step'])}"
+            + (f" (graph {_fmt(r['graph_step_ms'])} ms, {_fmt(r['graph_roofline_over_step'])})" if "graph_step_ms" in r else "")
+            for r in res["runs"])
     if name == "throughput":
         return (f"{_fmt(res['output_tok_s'])} output tok/s, {_fmt(res['fraction_of_ceiling'])} of ceiling "
                 f"{_fmt(res['ceiling_tok_s'])} tok/s")
