@@ -242,3 +242,87 @@ def test_property_released_text_is_decode_cut_at_first_stop(case):
     want, want_hit = expected_text(tok, ids, stops)
     assert "".join(pieces) == detok.text == want
     assert hit == want_hit == detok.stopped
+
+
+# -- a byte-level stand-in whose tokens mix whole and partial characters -------------------------
+# Real byte-level BPE vocabularies (GPT-2, Llama 3, Qwen) hold tokens such as " caf\xc3" (text,
+# then the first byte of a character); the tiny test vocabulary has none, so this stand-in does.
+
+
+class ByteTokenizer:
+    """Each id is a byte string; decoding is lossy UTF-8, as a byte-level BPE decoder does."""
+
+    def __init__(self, pieces):
+        self.pieces = pieces
+
+    def decode(self, ids, skip_special_tokens=True, clean_up_tokenization_spaces=None):
+        return b"".join(self.pieces[i] for i in ids).decode("utf-8", errors="replace")
+
+
+_EMOJI = "🎉".encode()
+BYTE_PIECES = [bytes([b]) for b in range(256)] + [
+    b"ab" + _EMOJI[:2], _EMOJI[2:] + b"cd", b" caf\xc3", b"\xa9 ", "é".encode(), b"x" + _EMOJI[:1],
+    _EMOJI[1:], b"hello", b" world", "ü".encode()[:1], "ü".encode()[1:] + b"!", b"\xe2\x80",
+]
+
+
+def test_text_before_a_partial_character_is_released_and_stop_checked_at_once():
+    tok = ByteTokenizer(BYTE_PIECES)
+    first, second = 256, 257  # "ab" + half an emoji, then its other half + "cd"
+    detok = IncrementalDetokenizer(tok, [], [])
+    assert detok.add(first) == ("ab", False)
+    assert detok.add(second) == ("🎉cd", False)
+    # A stop string in the whole part of a token is found at that token, not one later.
+    detok = IncrementalDetokenizer(tok, [], ["b"])
+    assert detok.add(first) == ("a", True)
+    detok = IncrementalDetokenizer(tok, [], ["ab🎉"])
+    assert detok.add(first) == ("", False)
+    assert detok.add(second) == ("", True)
+
+
+@st.composite
+def byte_case(draw):
+    ids = draw(st.lists(st.integers(0, len(BYTE_PIECES) - 1), max_size=30))
+    # Most ids from the mixed tokens and printable ASCII, so text and partial characters interleave.
+    favourites = list(range(256, len(BYTE_PIECES))) + [32, 97, 98, 0xC3, 0xA9, 0xF0, 0x9F]
+    ids = [i if i >= 256 or draw(st.booleans()) else draw(st.sampled_from(favourites)) for i in ids]
+    text = ByteTokenizer(BYTE_PIECES).decode(ids)
+    stops = []
+    for _ in range(draw(st.integers(1, 3))):
+        if text and draw(st.booleans()):
+            a = draw(st.integers(0, len(text) - 1))
+            stops.append(text[a : draw(st.integers(a + 1, min(len(text), a + 4)))])
+        else:
+            stops.append(draw(st.sampled_from(["ab", "🎉", "é ", "\ufffd", "d", "llo w"])))
+    return ids, stops
+
+
+@settings(max_examples=300, deadline=None)
+@given(byte_case())
+def test_property_byte_tokens_stop_at_the_earliest_certain_token(case):
+    ids, stops = case
+    tok = ByteTokenizer(BYTE_PIECES)
+    detok = IncrementalDetokenizer(tok, [], stops)
+    pieces, fed, hit = [], 0, False
+    for i in ids:
+        fed += 1
+        piece, hit = detok.add(i)
+        pieces.append(piece)
+        if hit:
+            break
+    pieces.append(detok.flush())
+    text = tok.decode(ids)
+    want_end = None
+    for end in range(1, len(text) + 1):
+        starts = [end - len(s) for s in stops if text[max(0, end - len(s)) : end] == s]
+        if starts:
+            want_end = min(starts)
+            break
+    want = text if want_end is None else text[:want_end]
+    assert "".join(pieces) == detok.text == want
+    assert detok.stopped == (want_end is not None)
+    if hit and fed > 1:
+        # One token earlier, no stop string lay in the part of the text that was certain then
+        # (everything before a trailing partial character).
+        earlier = tok.decode(ids[: fed - 1]).rstrip("\ufffd")
+        assert find_first_stop(earlier, stops) is None

@@ -15,7 +15,8 @@ Two kinds of text are held back:
 
 - an incomplete UTF-8 character: byte-level tokens split emojis and accented letters, and a partial
   character decodes to a trailing U+FFFD; the window is kept open until the character completes
-  (or until flush(), which releases whatever the bytes decode to);
+  (or until flush(), which releases whatever the bytes decode to). Text before the partial
+  character is final already and goes on at once;
 - a possible stop-string start: text whose tail could still grow into a stop string is not released
   until it cannot. When a stop string appears, the output ends just before it and nothing after it
   is ever released. If several stop strings appear, the one that completes first wins (ties: the
@@ -103,6 +104,7 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0
         self._read_offset = len(context)
         self._prefix_text: str | None = None  # decode(ids[prefix_offset:read_offset]), cached
+        self._window_released = 0  # characters of the open window's new text already returned
         self._held = ""  # decoded text that could still start a stop string
         self._released: list[str] = []
         self._stopped = False
@@ -142,7 +144,12 @@ class IncrementalDetokenizer:
     # -- internals -------------------------------------------------------------------------------
 
     def _decode_new(self, final: bool) -> str:
-        """Text of ids[read_offset:], or "" while it ends in an incomplete character (unless final)."""
+        """Text of ids[read_offset:] not returned before.
+
+        While the window ends in an incomplete character (trailing U+FFFD), the window stays open
+        and only the text before that character is returned; the rest comes once the character
+        completes, or at the end (`final`) as whatever the bytes decode to.
+        """
         if self._read_offset == len(self._ids):
             return ""
         if self._prefix_text is None:
@@ -150,11 +157,18 @@ class IncrementalDetokenizer:
         window_text = self._decode(self._ids[self._prefix_offset :])
         if len(window_text) <= len(self._prefix_text):
             return ""  # e.g. a skipped special token
-        if window_text.endswith(REPLACEMENT_CHAR) and not final:
-            return ""  # keep the window open until the character completes
-        piece = window_text[len(self._prefix_text) :]
-        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
-        self._prefix_text = None
+        new_text = window_text[len(self._prefix_text) :]
+        if final or not new_text.endswith(REPLACEMENT_CHAR):
+            piece = new_text[self._window_released :]
+            self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+            self._prefix_text = None
+            self._window_released = 0
+            return piece
+        # Text before a partial character is final already (a later byte can only complete that
+        # character), so it need not wait: a stop string inside it is caught at this token.
+        complete = new_text.rstrip(REPLACEMENT_CHAR)
+        piece = complete[self._window_released :]
+        self._window_released = max(self._window_released, len(complete))
         return piece
 
     def _release(self, piece: str, final: bool = False) -> tuple[str, bool]:
