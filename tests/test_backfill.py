@@ -138,7 +138,7 @@ def test_local_backfill_reruns_template_change_and_retry(tmp_path, tiny_llama_di
     new = _read_jsonl(out)
     assert len(new) == 14
     assert not {r["job_id"] for r in new} & {r["job_id"] for r in got}
-    assert all(r["usage"]["prompt_tokens"] > o["usage"]["prompt_tokens"] for r, o in zip(new[:12], got[:12]))
+    assert all(r["usage"]["prompt_tokens"] > o["usage"]["prompt_tokens"] for r, o in zip(new[:12], got[:12], strict=True))
 
 
 def test_local_backfill_openai_output(tmp_path, tiny_llama_dir):

@@ -333,11 +333,8 @@ class _LocalBackend(_Backend):
         return self.engine
 
     async def submit(self, jobs: list[dict]) -> None:
-        from schemas import Job
-        from worker.job_mapping import job_to_engine_request, new_attempt_id
-
-        from schemas import ERROR_INVALID_JOB
-        from worker.job_mapping import error_result
+        from schemas import ERROR_INVALID_JOB, Job
+        from worker.job_mapping import error_result, job_to_engine_request, new_attempt_id
 
         for raw in jobs:
             job = Job.model_validate(raw)
