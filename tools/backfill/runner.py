@@ -313,6 +313,7 @@ class _LocalBackend(_Backend):
         self.engine = None
         self.store: ResultStore | None = None
         self.in_flight: dict[str, tuple[Any, str]] = {}  # request id -> (Job, attempt)
+        self.logprobs: dict[str, list] = {}  # request id -> logprobs gathered from every delta
 
     async def start(self, store: ResultStore) -> str:
         from worker.storage import resolve_model_path
@@ -354,8 +355,7 @@ class _LocalBackend(_Backend):
         from worker.job_mapping import build_result
 
         finished = []
-        logprobs: dict[str, list] = getattr(self, "_logprobs", {})
-        self._logprobs = logprobs
+        logprobs = self.logprobs
         for delta in self.engine.step():
             if delta.logprobs:
                 logprobs.setdefault(delta.request_id, []).extend(delta.logprobs)
