@@ -19,15 +19,23 @@ from worker.engine.types import EngineRequest, FinishReason, SamplingParams
 NUM_PROMPTS = 32
 # "tiny-llama" (untied, vocab 32000) rather than the tied 64-wide test-llama: with random tied
 # embeddings a greedy Llama just repeats its last token, which would hide attention bugs.
-PRESETS = {"llama": "tiny-llama", "qwen2": "test-qwen2", "qwen3": "test-qwen3"}
+PRESETS = {"llama": "tiny-llama", "qwen2": "test-qwen2", "qwen3": "test-qwen3", "smollm2": "smollm2"}
 
 
-def make_prompts(vocab: int, seed: int = 0):
+def model_dir_for(arch):
+    if arch == "smollm2":
+        from tools.smollm2 import cached_smollm2
+
+        return cached_smollm2()
+    return cached_tiny_model(PRESETS[arch])
+
+
+def make_prompts(vocab: int, seed: int = 0, max_len: int = 90, max_new: int = 20):
     rng = random.Random(seed)
-    lengths = [1, 15, 16, 17, 31, 32, 33, 64] + [rng.randint(2, 90) for _ in range(NUM_PROMPTS - 8)]
+    lengths = [1, 15, 16, 17, 31, 32, 33, 64] + [rng.randint(2, max_len) for _ in range(NUM_PROMPTS - 8)]
     prompts = [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
-    max_new = [rng.randint(1, 20) for _ in range(NUM_PROMPTS)]
-    return prompts, max_new
+    new = [rng.randint(1, max_new) for _ in range(NUM_PROMPTS)]
+    return prompts, new
 
 
 def hf_reference(model_dir, prompts, max_new, eos=False):
@@ -48,11 +56,13 @@ def hf_reference(model_dir, prompts, max_new, eos=False):
 
 @pytest.fixture(scope="module", params=sorted(PRESETS))
 def case(request):
-    model_dir = cached_tiny_model(PRESETS[request.param])
+    model_dir = model_dir_for(request.param)
     from worker.engine.model_config import load_model_config
 
     vocab = load_model_config(model_dir).vocab_size
-    prompts, max_new = make_prompts(vocab)
+    # The real model (30 layers) gets shorter runs to keep the suite quick on 2 cores.
+    small = request.param == "smollm2"
+    prompts, max_new = make_prompts(vocab, max_len=40 if small else 90, max_new=8 if small else 20)
     return {
         "arch": request.param,
         "dir": model_dir,
@@ -102,8 +112,8 @@ def test_greedy_matches_transformers_and_second_pass_hits_prefix_cache(case):
 
 
 def test_greedy_matches_transformers_under_preemption(case):
-    # 14 blocks of 16 slots for 32 sequences of up to ~110 tokens: they cannot all run at once.
-    engine = Engine(EngineConfig(model=str(case["dir"]), dtype="float32", kv_cache_gb=kv_gb_for_blocks(case["dir"], 14)))
+    # 8 blocks of 16 slots for 32 sequences of up to 110 tokens (7 blocks): they cannot all run at once.
+    engine = Engine(EngineConfig(model=str(case["dir"]), dtype="float32", kv_cache_gb=kv_gb_for_blocks(case["dir"], 8)))
     res = engine.generate(requests(case))
     assert engine.metrics.num_preemptions > 0
     assert outputs(res) == case["ref"]
