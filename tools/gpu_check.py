@@ -59,7 +59,7 @@ class Sizes:
     max_num_seqs: int
     max_num_batched_tokens: int
     kv_cache_gb: float | None
-    # `mixed` (engine issue): requests, prompt and output length ranges; transformers baseline batches
+    # `mixed` (engine issue, tools/bench.py): requests; the dry run clips prompts/outputs to these ranges
     mixed_requests: int = 256
     mixed_prompt_range: tuple[int, int] = (16, 512)
     mixed_output_range: tuple[int, int] = (16, 256)
@@ -480,19 +480,11 @@ def _llama_param_count(shape: dict) -> int:
     return layers * per_layer + emb + h
 
 
-def mixed_workload(ctx: Context) -> tuple[list[list[int]], list[int]]:
-    """The engine issue's `mixed` workload (prompt 16-512, output 16-256 tokens; fixed seed), scaled."""
-    rng = random.Random(1234)
-    n = ctx.sizes.mixed_requests
-    (plo, phi), (olo, ohi) = ctx.sizes.mixed_prompt_range, ctx.sizes.mixed_output_range
-    vocab = ctx.sizes.model_shape["vocab_size"]
-    prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(plo, phi))] for _ in range(n)]
-    outputs = [rng.randint(olo, ohi) for _ in range(n)]
-    return prompts, outputs
-
-
 def hf_static_batch_seconds(model, prompts: list[list[int]], outputs: list[int], batch: int, pad_id: int, device) -> float:
-    """transformers `generate`, static batches in arrival order, left padding, EOS off."""
+    """transformers `generate` on `device`, static batches in arrival order, left padding, EOS off.
+
+    Same rule as tools/bench.py's baseline, whose model stays on the CPU; here it runs on the GPU.
+    """
     import torch
 
     t0 = time.perf_counter()
@@ -512,55 +504,49 @@ def hf_static_batch_seconds(model, prompts: list[list[int]], outputs: list[int],
 
 
 def section_mixed(ctx: Context) -> dict:
-    """Engine vs transformers `generate` on the same GPU, same weights, requested output tokens/s.
+    """The engine's `mixed` bench workload, engine vs transformers `generate`, same GPU and weights.
 
-    The baseline's batch is the best of ctx.sizes.baseline_batches, picked on the first
-    `baseline_probe` requests (trying every size on all of them would not fit the time budget).
+    The workload and the engine run come from tools/bench.py; the baseline's batch is the best of
+    {8, 32, 64} on the first 64 requests (bench's calibration rule), then it runs the whole workload.
+    The dry run clips prompts and outputs to toy lengths.
     """
-    import gc
-
-    import torch
     from transformers import AutoModelForCausalLM
 
-    from worker.engine.types import EngineRequest, SamplingParams
+    from tools import bench
+    from worker.engine.model_config import load_model_config
 
-    prompts, outputs = mixed_workload(ctx)
-    wanted = sum(outputs)
-    engine = make_engine(ctx, ctx.model_dir())
-    engine.generate([EngineRequest(request_id="warmup", prompt_token_ids=prompts[0][:16],
-                                   sampling=SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))])
-    requests = [EngineRequest(request_id=f"m{i}", prompt_token_ids=p,
-                              sampling=SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True))
-                for i, (p, o) in enumerate(zip(prompts, outputs, strict=True))]
-    synchronize(ctx.device)
-    t0 = time.perf_counter()
-    results = engine.generate(requests)
-    synchronize(ctx.device)
-    engine_s = time.perf_counter() - t0
-    produced = sum(len(d.output_token_ids or []) for d in results.values())
-    if produced != wanted:
-        raise RuntimeError(f"engine produced {produced} tokens, expected {wanted} (ignore_eos)")
-    del engine, results
-    gc.collect()
-    if ctx.device.type == "cuda":
-        torch.cuda.empty_cache()
+    model_dir = ctx.model_dir()
+    mc = load_model_config(model_dir)
+    work = bench.mixed_workload(mc.vocab_size, ctx.sizes.mixed_requests, seed=0, special=set(mc.eos_token_ids))
+    if ctx.sizes.dry_run:
+        work = bench.Workload(work.name, [p[: ctx.sizes.mixed_prompt_range[1]] for p in work.prompts],
+                              [min(n, ctx.sizes.mixed_output_range[1]) for n in work.max_tokens])
+    options = dict(device=str(ctx.device), dtype=ctx.sizes.model_dtype, attention_backend="triton",
+                   max_num_seqs=ctx.sizes.max_num_seqs, max_num_batched_tokens=ctx.sizes.max_num_batched_tokens,
+                   kv_cache_gb=ctx.sizes.kv_cache_gb)
+    engine = bench.run_engine(model_dir, work, options)
+    _release_memory(ctx.device)
 
-    model = AutoModelForCausalLM.from_pretrained(ctx.model_dir(), dtype=dtype_of(ctx.sizes.model_dtype))
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype_of(ctx.sizes.model_dtype))
     model = model.to(ctx.device).eval()
     pad_id = model.config.pad_token_id or 0
-    probe = ctx.sizes.baseline_probe
-    hf_static_batch_seconds(model, prompts[:2], [2, 2], 2, pad_id, ctx.device)  # warm-up
-    probe_tok_s = {b: sum(outputs[:probe]) / hf_static_batch_seconds(model, prompts[:probe], outputs[:probe], b,
-                                                                        pad_id, ctx.device)
-                   for b in ctx.sizes.baseline_batches}
+    probe = min(ctx.sizes.baseline_probe, len(work.prompts))
+    hf_static_batch_seconds(model, work.prompts[:2], [2, 2], 2, pad_id, ctx.device)  # warm-up
+    probe_tok_s = {
+        b: sum(work.max_tokens[:probe])
+        / hf_static_batch_seconds(model, work.prompts[:probe], work.max_tokens[:probe], b, pad_id, ctx.device)
+        for b in ctx.sizes.baseline_batches
+    }
     best = max(probe_tok_s, key=probe_tok_s.get)
-    baseline_s = hf_static_batch_seconds(model, prompts, outputs, best, pad_id, ctx.device)
+    baseline_s = hf_static_batch_seconds(model, work.prompts, work.max_tokens, best, pad_id, ctx.device)
     del model
-    engine_tok_s, baseline_tok_s = wanted / engine_s, wanted / baseline_s
-    return dict(requests=len(prompts), prompt_tokens=sum(map(len, prompts)), output_tokens=wanted,
-                engine_seconds=engine_s, engine_output_tok_s=engine_tok_s, baseline_batch=best,
+    baseline_tok_s = work.output_tokens / baseline_s
+    return dict(requests=len(work.prompts), prompt_tokens=work.prompt_tokens, output_tokens=work.output_tokens,
+                engine_seconds=engine.wall_s, engine_output_tok_s=engine.output_tok_s, engine_steps=engine.steps,
+                engine_overhead_fraction=engine.engine_overhead_fraction,
+                kv_slot_utilization_peak=engine.kv_slot_utilization_peak, baseline_batch=best,
                 baseline_probe_tok_s=probe_tok_s, baseline_seconds=baseline_s, baseline_output_tok_s=baseline_tok_s,
-                ratio=engine_tok_s / baseline_tok_s)
+                ratio=engine.output_tok_s / baseline_tok_s)
 
 
 SECTIONS: list[tuple[str, Callable[[Context], dict]]] = [
