@@ -326,3 +326,50 @@ def test_property_byte_tokens_stop_at_the_earliest_certain_token(case):
         # (everything before a trailing partial character).
         earlier = tok.decode(ids[: fed - 1]).rstrip("\ufffd")
         assert find_first_stop(earlier, stops) is None
+
+
+# -- a SentencePiece-style tokenizer (Metaspace + byte fallback, Llama 2 decoder) -----------------
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_style_tokenizer():
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    # Llama 2's decoder: the first character of the whole text is dropped when it is a space.
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    trainer = trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False)
+    tok.train_from_iterator(["hello world this is a test of the model", "the batch worker writes results"] * 40, trainer)
+    # Byte-fallback tokens are ordinary vocabulary entries, as in Llama 2.
+    spec = json.loads(tok.to_str())
+    vocab = spec["model"]["vocab"]
+    for b in range(256):
+        vocab.setdefault(f"<0x{b:02X}>", len(vocab))
+    return PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(json.dumps(spec)), bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+
+
+@pytest.mark.parametrize(
+    "prompt, output",
+    [("say hello", " world, this is the model"), ("the batch", " café 🎉 worker"), ("🎉", " ü results")],
+)
+def test_sentencepiece_style_output_keeps_its_leading_space(sentencepiece_style_tokenizer, prompt, output):
+    tok = sentencepiece_style_tokenizer
+    whole = tok.encode(prompt + output, add_special_tokens=False)
+    prompt_ids = tok.encode(prompt, add_special_tokens=False)
+    assert whole[: len(prompt_ids)] == prompt_ids  # the output starts on a token boundary
+    out_ids = whole[len(prompt_ids) :]
+    assert tok.decode(out_ids) == output[1:]  # decoding the output alone loses its first space
+    pieces, _, detok = run(tok, out_ids, prompt=prompt_ids)
+    # With the prompt as context, the text is the true continuation of the prompt (vLLM does so).
+    assert "".join(pieces) == detok.text == output
+    assert all("\ufffd" not in p for p in pieces)
+    pieces, hit, _ = run(tok, out_ids, prompt=prompt_ids, stop=[output[3:6]])
+    assert hit and "".join(pieces) == output[:3]

@@ -95,7 +95,7 @@ class IncrementalDetokenizer:
         self._stop = stop
         self._decode = make_decoder(tokenizer, skip_special_tokens)
 
-        context = [int(t) for t in prompt_token_ids[-PROMPT_CONTEXT_TOKENS:]]
+        context = [int(t) for t in prompt_token_ids[max(0, len(prompt_token_ids) - PROMPT_CONTEXT_TOKENS) :]]
         if context and self._decode(context).endswith(REPLACEMENT_CHAR):
             # The prompt ends inside a character: its bytes would merge with the output's and
             # shift the offsets, so decode the output on its own.
