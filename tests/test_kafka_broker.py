@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
@@ -118,6 +119,12 @@ def test_cli_start_status_stop_restart_keeps_data(tmp_path, capsys):
     finally:
         main(["kafka", "stop", "--data-dir", data_dir])
     assert main(["kafka", "status", "--data-dir", data_dir]) == 3
+    # Class-data sharing: after a clean stop an archive sits next to the jars, none in the node.
+    if os.environ.get("TOKENMILL_KAFKA_CDS", "1") != "0":
+        libs = subprocess.run(["bash", str(kafka_script()), "libs"], capture_output=True, text=True,
+                              check=True, timeout=60).stdout.strip()
+        assert list((tmp_path / "node").glob("cds*")) == []
+        assert list(Path(libs).parent.glob("cds-*.jsa"))
     # The storage was formatted once: the restart did not re-format it.
     log = (tmp_path / "node" / "kafka.log").read_text()
     assert log.count("=== start") == 2
