@@ -142,6 +142,22 @@ def test_start_refuses_a_port_in_use(tmp_path):
     assert not broker.status().running
 
 
+def test_start_failure_reports_the_log_tail_at_once(tmp_path):
+    """A broker that dies while starting is reported with the reason from its log, without
+    waiting for the start timeout."""
+    node = tmp_path / "node"
+    (node / "log").mkdir(parents=True)
+    (node / "log" / "meta.properties").write_text("not=a kafka meta file\n")  # skips formatting
+    port, controller_port = _free_ports(2)
+    started = time.monotonic()
+    with pytest.raises(LocalKafkaError) as failure:
+        LocalKafka(port=port, data_dir=node, controller_port=controller_port).start(timeout=120)
+    assert time.monotonic() - started < 60
+    assert "Kafka exited during start-up" in str(failure.value)
+    assert "node ID not found" in str(failure.value)  # the broker's own reason, from the log tail
+    assert not LocalKafka(data_dir=node).status().running
+
+
 def test_stale_pid_file_reads_as_stopped(tmp_path):
     node = tmp_path / "node"
     node.mkdir()

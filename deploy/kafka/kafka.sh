@@ -145,6 +145,14 @@ running_pid() {
     echo "$pid"
 }
 
+# Alive and not a zombie: a JVM that died during start-up stays a zombie child of this script
+# until it is reaped, and kill -0 succeeds on zombies.
+proc_alive() {
+    local state
+    state="$(sed -n 's/^[0-9]* (.*) \([A-Za-z]\) .*/\1/p' "/proc/$1/stat" 2>/dev/null || true)"
+    [[ -n "$state" && "$state" != Z && "$state" != X ]]
+}
+
 port_open() {
     (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null
 }
@@ -297,9 +305,10 @@ cmd_start() {
     echo "=== start $(date -u +%FT%TZ) port=$port controller_port=$cport" >>"$log"
     # setsid: the node outlives this script and is not hit by the caller's terminal signals.
     # The inner shell writes its own pid, then exec turns it into the JVM (same pid).
-    local pf
+    local pf marker_line
     pf="$(pid_file "$dir")"
     rm -f "$pf"
+    marker_line="$(grep -c '' "$log")"
     local cds_run
     cds_run="$(cds_options "$dir")"
     # shellcheck disable=SC2086
@@ -307,17 +316,15 @@ cmd_start() {
         </dev/null >>"$log" 2>&1 &
     local deadline=$((SECONDS + timeout))
     while [[ ! -s "$pf" ]]; do
-        ((SECONDS < deadline)) || die "start: the JVM did not start"
+        ((SECONDS < deadline)) || die "start: the JVM did not start (log: $log)"
         sleep 0.1
     done
     pid="$(cat "$pf")"
 
     # Ready = the server reports "Kafka Server started" (the broker is registered and unfenced)
     # after our start marker, and its listener accepts connections.
-    local marker_line
-    marker_line="$(grep -c '' "$log")"
     while true; do
-        if ! kill -0 "$pid" 2>/dev/null; then
+        if ! proc_alive "$pid"; then
             log_tail "$log" 60
             rm -f "$pf"
             die "start: Kafka exited during start-up (log: $log)"
@@ -351,10 +358,10 @@ cmd__watch() {
             *) die "_watch: unknown argument '$1'" ;;
         esac
     done
-    while kill -0 "$owner" 2>/dev/null && kill -0 "$pid" 2>/dev/null; do
+    while proc_alive "$owner" && proc_alive "$pid"; do
         sleep 1
     done
-    if kill -0 "$pid" 2>/dev/null && [[ "$(running_pid "$dir" || true)" == "$pid" ]]; then
+    if proc_alive "$pid" && [[ "$(running_pid "$dir" || true)" == "$pid" ]]; then
         echo "kafka.sh: owner process $owner is gone; stopping Kafka pid $pid" >&2
         cmd_stop --data-dir "$dir"
     fi
@@ -407,7 +414,7 @@ cmd_stop() {
     # so the next start needs no log recovery.
     kill -TERM "$pid" 2>/dev/null || true
     local deadline=$((SECONDS + timeout))
-    while kill -0 "$pid" 2>/dev/null; do
+    while proc_alive "$pid"; do
         if ((SECONDS >= deadline)); then
             echo "kafka.sh: pid $pid ignored SIGTERM for ${timeout}s; sending SIGKILL" >&2
             kill -KILL "$pid" 2>/dev/null || true
