@@ -311,7 +311,7 @@ cmd_start() {
     marker_line="$(grep -c '' "$log")"
     local cds_run
     cds_run="$(cds_options "$dir")"
-    # shellcheck disable=SC2086
+    # shellcheck disable=SC2086,SC2016  # $cds_run is a word list; $$ and $0 belong to the inner shell
     setsid bash -c 'echo $$ >"$0"; exec "$@"' "$pf" "${java_cmd[@]}" $cds_run kafka.Kafka "$props" \
         </dev/null >>"$log" 2>&1 &
     local deadline=$((SECONDS + timeout))
