@@ -13,6 +13,7 @@ from worker.engine.sampler import (
     Sampler,
     SamplingInputs,
     _inverse_cdf,
+    greedy_argmax,
     seeded_uniform,
 )
 from worker.engine.types import SamplingParams
@@ -407,3 +408,18 @@ def test_masked_token_stays_masked_under_penalties_that_would_raise_it():
     assert Sampler()(logits, [inp])[0].token_id == 11
     assert reference_distribution(logits[0], inp)[11] == 1.0
     assert torch.all(logits[0, [5, 11]] == torch.tensor([3.0, 2.0]))  # put back afterwards
+
+
+@pytest.mark.parametrize("vocab", [511, 512, 1000, 2048, 4099])
+def test_greedy_argmax_equals_torch_argmax_including_ties(vocab):
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randint(-3, 4, (12, vocab), generator=g).float()  # many ties
+    x[0] = float("-inf")
+    x[1] = 0.0
+    x[2, -1] = 10.0  # maximum in the tail
+    x[3, [5, vocab - 1]] = 10.0  # tie between the first block and the tail
+    x[4, [300, 290]] = 10.0  # tie inside one block
+    x[5, [700 % vocab, 260]] = 10.0  # tie across blocks
+    assert torch.equal(greedy_argmax(x), x.argmax(dim=1))
+    y = torch.randn(7, vocab, generator=g)
+    assert torch.equal(greedy_argmax(y), y.argmax(dim=1))

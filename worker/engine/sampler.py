@@ -72,6 +72,35 @@ def seeded_uniform(seed: int, step: int) -> float:
     return (_splitmix64(_splitmix64(seed & _MASK64) ^ (step & _MASK64)) >> 11) * (1.0 / (1 << 53))
 
 
+# Block width of greedy_argmax's first pass on CPU.
+_ARGMAX_BLOCK = 256
+
+
+def greedy_argmax(x: torch.Tensor) -> torch.Tensor:
+    """Row-wise argmax [N, V] -> [N], lowest id on ties, exactly like torch.argmax.
+
+    On CPU torch.argmax is about 4x slower than a plain max over the same data, so the row is
+    first reduced to one maximum per block of 256 logits (a fast amax), then argmax runs over the
+    block maxima and inside the winning block only. The first block holding the row's maximum and
+    the first position inside it give the lowest id, as argmax does. Elsewhere: torch.argmax.
+    """
+    n, vocab = x.shape
+    if x.device.type != "cpu" or vocab < 2 * _ARGMAX_BLOCK:
+        return x.argmax(dim=1)
+    n_blocks = vocab // _ARGMAX_BLOCK
+    head = x[:, : n_blocks * _ARGMAX_BLOCK].view(n, n_blocks, _ARGMAX_BLOCK)
+    block_max = head.amax(dim=2)
+    best_block = block_max.argmax(dim=1)
+    inside = head[torch.arange(n), best_block].argmax(dim=1)
+    idx = best_block * _ARGMAX_BLOCK + inside
+    if n_blocks * _ARGMAX_BLOCK < vocab:
+        tail_max, tail_idx = x[:, n_blocks * _ARGMAX_BLOCK :].max(dim=1)
+        head_max = block_max.gather(1, best_block.unsqueeze(1)).squeeze(1)
+        # Strictly greater: on a tie the head's (lower) id wins.
+        idx = torch.where(tail_max > head_max, tail_idx + n_blocks * _ARGMAX_BLOCK, idx)
+    return idx
+
+
 def is_greedy(params: SamplingParams) -> bool:
     return params.temperature < GREEDY_TEMPERATURE
 
@@ -112,7 +141,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, inputs: Sequence[SamplingInputs]) -> list[SampledToken]:
         logits = self._check(logits, inputs)
         if self._fast_path_ok(inputs):
-            return [SampledToken(t) for t in logits.argmax(dim=1).tolist()]
+            return [SampledToken(t) for t in greedy_argmax(logits).tolist()]
         processed = self._process(logits, inputs)
         token_ids = self._sample(processed, inputs, logits.shape[0], logits.device)
         return self._with_logprobs(logits, token_ids, inputs)
@@ -177,7 +206,7 @@ class Sampler:
                 flat[positions] = values
             if greedy:
                 rows = logits if len(greedy) == len(inputs) else logits[greedy_rows]
-                greedy_choice = rows.argmax(dim=1)
+                greedy_choice = greedy_argmax(rows)
             if random:
                 params = [inputs[i].params for i in random]
                 temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
