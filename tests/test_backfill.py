@@ -207,3 +207,31 @@ def test_s3_parquet_backfill_killed_halfway_then_resumed(tmp_path, tiny_llama_di
     assert len(set(table.column("job_id").to_pylist())) == 300
     assert set(table.column("status").to_pylist()) == {"ok"}
     assert [u["completion_tokens"] for u in table.column("usage").to_pylist()] == [6] * 300
+
+
+def test_cli_csv_messages_column_to_local_parquet(tmp_path, tiny_llama_dir, capsys):
+    from worker.cli import main
+
+    path = tmp_path / "chats.csv"
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, ["id", "conversation"])
+        w.writeheader()
+        for i in range(4):
+            w.writerow({"id": f"c{i}", "conversation": json.dumps(
+                [{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"hello {i}"}])})
+        w.writerow({"id": "c-bad", "conversation": "[not json"})
+    out = tmp_path / "answers.parquet"
+    args = ["backfill", "--engine", "local", "--model", str(tiny_llama_dir), "--input", str(path),
+            "--output", str(out), "--messages-column", "conversation", "--key-column", "id",
+            "--max-tokens", "2", "--temperature", "0", "--no-progress", "--summary-json", str(tmp_path / "s.json")]
+    assert main(args) == 0
+    table = pq.read_table(out).to_pylist()
+    assert [r["key"] for r in table] == ["c0", "c1", "c2", "c3", "c-bad"]
+    assert [r["status"] for r in table] == ["ok"] * 4 + ["error"]
+    assert table[4]["error_code"] == "invalid_job" and "conversation" in table[4]["error_message"]
+    summary = json.loads((tmp_path / "s.json").read_text())
+    assert (summary["rows"], summary["ok"], summary["error"], summary["submitted"]) == (5, 4, 1, 4)
+    assert "backfill: 5 rows -> ok 4, error 1" in capsys.readouterr().err
+    # Bad arguments are refused before anything runs.
+    assert main([*args, "--prompt-column", "id"]) == 2
+    assert "exactly one of" in capsys.readouterr().err
