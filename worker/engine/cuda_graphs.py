@@ -18,7 +18,8 @@ How it works:
   so the KV split count is chosen once per size and each split's share of the keys is computed on
   the GPU from the real sequence lengths at replay.
 - All sizes share one memory pool and are captured largest first, so smaller graphs reuse the
-  larger ones' activation memory.
+  larger ones' activation memory; every graph copies its logits into one shared output buffer.
+  The returned logits are a view of that buffer: consume them before the next replay.
 
 With use_graphs=False the same padded path runs eagerly on the static buffers: that is how it is
 tested on a CPU (there is no graph capture without CUDA).
@@ -69,7 +70,7 @@ class DecodeGraphRunner:
         self.max_seq_len = max_blocks_per_seq * self.block_size
         self._metas = {b: self._meta(b) for b in self.batch_sizes}
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._logits: dict[int, torch.Tensor] = {}
+        self._logits_out: torch.Tensor | None = None  # [largest size, vocab] float32, written by replays
 
     def _meta(self, b: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -96,11 +97,16 @@ class DecodeGraphRunner:
         self._reset_padding(0, self.batch_sizes[-1])
         pool = torch.cuda.graph_pool_handle()
         for b in reversed(self.batch_sizes):
-            self._forward(b)  # compile the Triton kernels and settle the allocator outside capture
+            warm = self._forward(b)  # compile the Triton kernels and settle the allocator outside capture
+            if self._logits_out is None:
+                # One output buffer for every size: each graph copies its logits into a slice, so the
+                # graphs' own logits tensors are freed after capture and their memory is shared.
+                self._logits_out = torch.empty((b, warm.shape[1]), dtype=warm.dtype, device=self.device)
+            del warm
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self._logits[b] = self._forward(b)
+                self._logits_out[:b].copy_(self._forward(b))
             self._graphs[b] = graph
         torch.cuda.synchronize(self.device)
 
@@ -149,5 +155,5 @@ class DecodeGraphRunner:
             if b not in self._graphs:
                 raise RuntimeError("capture() must run before run() in graph mode")
             self._graphs[b].replay()
-            return self._logits[b][:n]
+            return self._logits_out[:n]
         return self._forward(b)[:n]
