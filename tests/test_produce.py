@@ -153,3 +153,18 @@ def test_openai_batch_file_of_100_lines_gets_100_results(kafka_bootstrap, tiny_l
         results.setdefault(r["job_id"], r)
     assert set(results) == {f"req-{i}" for i in range(100)}, (tmp_path / "worker.log").read_text()[-3000:]
     assert all(r["status"] == "ok" and r["usage"]["completion_tokens"] <= 3 for r in results.values())
+
+
+def test_produce_from_stdin_and_strict_stops_at_the_first_bad_line(kafka_bootstrap, new_topic, monkeypatch, capsys):
+    import io
+    import types
+
+    topic = new_topic()
+    data = (_job_line(0) + "\n" + _job_line(1) + "\n" + "{broken\n" + _job_line(3) + "\n").encode()
+    monkeypatch.setattr("sys.stdin", types.SimpleNamespace(buffer=io.BytesIO(data)))
+    code = main(["produce", "--bootstrap-servers", kafka_bootstrap, "--jobs-topic", topic, "--strict",
+                 "--no-progress", "-"])
+    assert code == 2
+    assert "line 3:" in capsys.readouterr().err
+    records = asyncio.run(_read_all(kafka_bootstrap, topic, 3, timeout=3.0))
+    assert sorted(json.loads(v)["job_id"] for _, _, v in records) == ["j0", "j1"]  # stopped before line 4
