@@ -272,3 +272,37 @@ def test_jars_lock_matches_the_pom_and_the_fetched_jars():
                for name in os.listdir(libs) if name.endswith(".jar")}
     locked = {f"{coords.split(':')[1]}-{coords.split(':')[2]}.jar": digest for coords, digest in entries.items()}
     assert fetched == locked
+
+
+async def _topic_config(bootstrap: str, topic: str, keys: list[str]) -> dict[str, str]:
+    from aiokafka.admin import AIOKafkaAdminClient
+    from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
+
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        (response,) = await admin.describe_configs(
+            [ConfigResource(ConfigResourceType.TOPIC, topic, dict.fromkeys(keys))])
+    finally:
+        await admin.close()
+    resource = response.resources[0]
+    return {entry[0]: entry[1] for entry in resource[4]}
+
+
+def test_cli_create_topic_applies_configs(kafka_bootstrap, capsys, monkeypatch):
+    name = f"cli-{uuid.uuid4().hex[:8]}"
+    assert main(["kafka", "create-topic", name, "--partitions", "2", "--bootstrap-servers", kafka_bootstrap,
+                 "--config", "retention.ms=123456", "cleanup.policy=compact"]) == 0
+    assert asyncio.run(_topic_config(kafka_bootstrap, name, ["retention.ms", "cleanup.policy"])) == {
+        "retention.ms": "123456", "cleanup.policy": "compact"}
+    assert asyncio.run(_partitions(kafka_bootstrap, name)) == {0, 1}
+
+    # The same through the environment (comma-separated), as every flag allows.
+    env_name = f"cli-env-{uuid.uuid4().hex[:8]}"
+    monkeypatch.setenv("TOKENMILL_CONFIG", "retention.ms=654321")
+    monkeypatch.setenv("TOKENMILL_BOOTSTRAP_SERVERS", kafka_bootstrap)
+    assert main(["kafka", "create-topic", env_name]) == 0
+    assert asyncio.run(_topic_config(kafka_bootstrap, env_name, ["retention.ms"])) == {"retention.ms": "654321"}
+
+    assert main(["kafka", "create-topic", f"cli-bad-{uuid.uuid4().hex[:8]}", "--config", "no-equals-sign"]) == 2
+    assert "expected KEY=VALUE" in capsys.readouterr().err

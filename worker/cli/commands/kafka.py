@@ -84,8 +84,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     create.add_argument("--partitions", type=_positive, default=1, help="partition count (default: 1)")
     create.add_argument("--replication-factor", type=_positive, default=1,
                         help="replicas per partition (default: 1, what a single node allows)")
-    create.add_argument("--config", type=_config_item, action="append", default=[], metavar="KEY=VALUE",
-                        help="topic config, repeatable (e.g. retention.ms=86400000)")
+    # extend + nargs: repeatable on the command line, comma-separated in TOKENMILL_CONFIG.
+    create.add_argument("--config", action="extend", nargs="+", default=[], metavar="KEY=VALUE",
+                        help="topic configs (e.g. --config retention.ms=86400000 cleanup.policy=delete)")
     create.add_argument("--bootstrap-servers", default=_DEFAULT_BOOTSTRAP,
                         help=f"Kafka bootstrap servers (default: {_DEFAULT_BOOTSTRAP})")
     create.add_argument("--timeout", type=_positive, default=30, help="seconds to wait (default: 30)")
@@ -148,7 +149,12 @@ def _status(args: argparse.Namespace) -> int:
 def _create_topic(args: argparse.Namespace) -> int:
     from worker.kafka.admin import TopicError, TopicSpec, ensure_topics_sync
 
-    spec = TopicSpec(args.name, args.partitions, args.replication_factor, dict(args.config))
+    try:
+        config = dict(_config_item(item) for item in args.config)
+    except argparse.ArgumentTypeError as exc:
+        print(f"tokenmill kafka create-topic: --config: {exc}", file=sys.stderr)
+        return 2
+    spec = TopicSpec(args.name, args.partitions, args.replication_factor, config)
     try:
         ensure_topics_sync(args.bootstrap_servers, [spec], timeout=args.timeout)
     except TopicError as exc:
