@@ -5,8 +5,17 @@ import random
 import pytest
 import torch
 
-from worker.engine.attention import AttentionMetadata, get_attention_backend
+from worker.engine.attention import AttentionMetadata, cpu_decode_kernel, get_attention_backend
 from worker.engine.attention.torch_backend import TorchAttentionBackend, build_plan
+
+# Both decode paths: the C kernel (fp32 on CPU, built on first use) and plain torch.
+PATHS = [pytest.param(True, id="c-kernel"), pytest.param(False, id="torch")]
+
+
+def test_cpu_kernel_builds_here():
+    # The machines this project runs its tests on have a C compiler: the fast path must be active.
+    assert cpu_decode_kernel.available()
+    assert TorchAttentionBackend().use_cpu_kernel
 
 
 def reference_attention(query, keys, values, rows, scale):
@@ -72,8 +81,8 @@ def random_case(seed, q_lens_and_ctx, num_heads, num_kv_heads, head_dim, block_s
                 keys=keys, values=values, new_keys=torch.cat(new_keys), new_values=torch.cat(new_values))
 
 
-def run_backend(case, scale):
-    backend = TorchAttentionBackend()
+def run_backend(case, scale, use_cpu_kernel=False):
+    backend = TorchAttentionBackend(use_cpu_kernel=use_cpu_kernel)
     backend.write_kv(case["new_keys"], case["new_values"], case["key_cache"], case["value_cache"],
                      case["meta"].slot_mapping)
     return backend.attend(case["query"], case["key_cache"], case["value_cache"], case["meta"], scale)
@@ -89,26 +98,39 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("use_cpu_kernel", PATHS)
 @pytest.mark.parametrize("rows,num_heads,num_kv_heads,head_dim,block_size", CASES)
-def test_matches_reference(rows, num_heads, num_kv_heads, head_dim, block_size):
+def test_matches_reference(rows, num_heads, num_kv_heads, head_dim, block_size, use_cpu_kernel):
     case = random_case(len(rows) * 7 + head_dim, rows, num_heads, num_kv_heads, head_dim, block_size)
     scale = head_dim**-0.5
-    got = run_backend(case, scale)
+    got = run_backend(case, scale, use_cpu_kernel)
     want = reference_attention(case["query"], case["keys"], case["values"], case["rows"], scale)
     assert got.shape == case["query"].shape and got.dtype == torch.float32
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
 
 
-def test_many_decode_rows_are_split_into_buckets_and_stay_exact():
-    lens = [(1, c) for c in [0, 1, 2, 5, 9, 17, 33, 64, 100, 130, 131, 250] * 6]
+@pytest.mark.parametrize("use_cpu_kernel", PATHS)
+def test_many_decode_rows_stay_exact(use_cpu_kernel):
+    lens = [(1, c) for c in [0, 1, 2, 5, 9, 17, 33, 64, 100, 130, 131, 250] * 6] + [(7, 20), (12, 0)]
     random.Random(3).shuffle(lens)
     case = random_case(11, lens, 4, 2, 16, 8)
-    plan = build_plan(case["meta"], 8, num_kv_heads=2)
-    assert len(plan.decode) >= 2 and not plan.prefill
-    assert sum(b.token_index.numel() for b in plan.decode) == len(lens)
-    got = run_backend(case, 0.25)
+    plan = build_plan(case["meta"], 8, num_kv_heads=2, use_kernel=use_cpu_kernel)
+    if use_cpu_kernel:
+        assert plan.kernel_decode.token_index.numel() == len(lens) - 2 and not plan.decode
+    else:  # the torch path cuts decode rows into buckets of similar length
+        assert len(plan.decode) >= 2 and plan.kernel_decode is None
+        assert sum(b.token_index.numel() for b in plan.decode) == len(lens) - 2
+    assert len(plan.prefill) == 2
+    got = run_backend(case, 0.25, use_cpu_kernel)
     want = reference_attention(case["query"], case["keys"], case["values"], case["rows"], 0.25)
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_kernel_and_torch_paths_agree_on_long_contexts():
+    case = random_case(8, [(1, 700), (1, 1023), (3, 500), (1, 64)], 9, 3, 64, 16)
+    a = run_backend(case, 0.125, use_cpu_kernel=True)
+    b = run_backend(case, 0.125, use_cpu_kernel=False)
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
 def test_fp16_close_to_reference():
@@ -130,9 +152,10 @@ def test_write_kv_puts_each_token_at_its_slot():
     assert kc.abs().sum() == key.sum()  # nothing else written
 
 
-def test_plan_is_rebuilt_when_block_table_changes_in_place():
+@pytest.mark.parametrize("use_cpu_kernel", PATHS)
+def test_plan_is_rebuilt_when_block_table_changes_in_place(use_cpu_kernel):
     case = random_case(2, [(1, 9), (1, 3)], 2, 2, 8, 4)
-    backend = TorchAttentionBackend()
+    backend = TorchAttentionBackend(use_cpu_kernel=use_cpu_kernel)
     meta = case["meta"]
     backend.write_kv(case["new_keys"], case["new_values"], case["key_cache"], case["value_cache"], meta.slot_mapping)
     first = backend.attend(case["query"], case["key_cache"], case["value_cache"], meta, 0.3)
@@ -147,12 +170,19 @@ def test_plan_is_rebuilt_when_block_table_changes_in_place():
     torch.testing.assert_close(second, first)
 
 
-def test_bad_metadata_is_a_clear_error():
-    case = random_case(4, [(2, 30)], 2, 2, 8, 4)
+@pytest.mark.parametrize("use_cpu_kernel", PATHS)
+def test_bad_metadata_is_a_clear_error(use_cpu_kernel):
+    case = random_case(4, [(1, 30)], 2, 2, 8, 4)
     meta = case["meta"]
-    meta.block_tables = meta.block_tables[:, :3]  # the row needs 8 blocks
+    backend = TorchAttentionBackend(use_cpu_kernel=use_cpu_kernel)
+    tables = meta.block_tables
+    meta.block_tables = tables[:, :3]  # the row needs 8 blocks
     with pytest.raises(ValueError, match="needs 8 blocks"):
-        TorchAttentionBackend().attend(case["query"], case["key_cache"], case["value_cache"], meta, 1.0)
+        backend.attend(case["query"], case["key_cache"], case["value_cache"], meta, 1.0)
+    meta.block_tables = tables.clone()
+    meta.block_tables[0, 2] = case["key_cache"].shape[0]  # one past the last block: would read out of bounds
+    with pytest.raises(ValueError, match="block_tables hold ids outside"):
+        backend.attend(case["query"], case["key_cache"], case["value_cache"], meta, 1.0)
 
 
 def test_factory():

@@ -54,8 +54,10 @@ def test_chunks_then_token_by_token_match_transformers(models):
     assert kv.tables["a"] != sorted(kv.tables["a"])  # the cache really was used out of order
 
 
-def test_mixed_batch_equals_each_sequence_alone(models):
+@pytest.mark.parametrize("use_cpu_kernel", [True, False], ids=["c-kernel", "torch"])
+def test_mixed_batch_equals_each_sequence_alone(models, use_cpu_kernel):
     ours, cfg, ref = models
+    ours.attention_backend = TorchAttentionBackend(use_cpu_kernel=use_cpu_kernel)
     prompts = {name: prompt(cfg, n, seed=10 + i) for i, (name, n) in enumerate(
         [("d1", 21), ("d2", 9), ("d3", 40), ("fresh", 26), ("chunked", 30), ("one", 1)]
     )}
@@ -74,6 +76,7 @@ def test_mixed_batch_equals_each_sequence_alone(models):
         ("one", prompts["one"]),
     ]
     rows = run_step(ours, kv, batch)
+    ours.attention_backend = TorchAttentionBackend()
     for (name, new), hidden in zip(batch, rows, strict=True):
         want = expected[name][len(prompts[name]) - len(new):]
         torch.testing.assert_close(ours.compute_logits(hidden), want, atol=ATOL, rtol=0, msg=name)

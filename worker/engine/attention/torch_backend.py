@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from worker.engine.attention import AttentionMetadata
+from worker.engine.attention import AttentionMetadata, cpu_decode_kernel
 
 # Decode bucketing: a bucket grows while its longest row has at most this factor more blocks than its
 # shortest (sorted ascending), so padded work is bounded by ~1.25x the real work; tiny buckets cost
@@ -53,10 +53,22 @@ class _PrefillRow:
 
 
 @dataclass
+class _KernelDecode:
+    """All decode rows of a step, for the C kernel (which needs no buckets: it reads blocks in place)."""
+
+    block_tables: torch.Tensor  # int32 [B, W] contiguous
+    token_index: torch.Tensor  # int64 [n]
+    table_row: torch.Tensor  # int64 [n]
+    seq_lens: torch.Tensor  # int32 [n]
+    max_len: int
+
+
+@dataclass
 class _StepPlan:
     decode: list[_DecodeBucket]
     prefill: list[_PrefillRow]
     all_tokens_decode_in_order: bool  # output can be written without an index_copy
+    kernel_decode: _KernelDecode | None = None  # set instead of `decode` when the C kernel runs
 
 
 class TorchAttentionBackend:
@@ -64,7 +76,11 @@ class TorchAttentionBackend:
 
     name = "torch"
 
-    def __init__(self) -> None:
+    def __init__(self, use_cpu_kernel: bool | None = None) -> None:
+        """use_cpu_kernel: decode rows through the C kernel for fp32 CPU tensors (None = when it builds)."""
+        self.use_cpu_kernel = cpu_decode_kernel.available() if use_cpu_kernel is None else use_cpu_kernel
+        if self.use_cpu_kernel and not cpu_decode_kernel.available():
+            raise RuntimeError("the CPU decode attention kernel was requested but could not be built")
         self._plan: _StepPlan | None = None
         self._plan_key: tuple | None = None
         self._plan_meta: AttentionMetadata | None = None
@@ -92,12 +108,22 @@ class TorchAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        plan = self._plan_for(meta, key_cache.shape[1], key_cache.shape[2], query.dtype, query.device)
-        num_tokens, num_heads, head_dim = query.shape
+        use_kernel = (
+            self.use_cpu_kernel and query.device.type == "cpu" and query.dtype == torch.float32
+            and key_cache.is_contiguous() and value_cache.is_contiguous()
+            and query.stride(2) == 1 and query.stride(1) == query.shape[2]
+        )
+        plan = self._plan_for(meta, key_cache, query.dtype, query.device, use_kernel)
         if plan.all_tokens_decode_in_order and len(plan.decode) == 1:
             bucket = plan.decode[0]
             return self._decode(query, key_cache, value_cache, bucket, scale, rows_in_order=True)
         out = torch.empty_like(query)
+        if plan.kernel_decode is not None:
+            kd = plan.kernel_decode
+            cpu_decode_kernel.paged_decode_attention(
+                query, key_cache, value_cache, kd.block_tables, kd.token_index, kd.table_row, kd.seq_lens,
+                kd.max_len, out, scale,
+            )
         for bucket in plan.decode:
             out.index_copy_(0, bucket.token_index, self._decode(query, key_cache, value_cache, bucket, scale))
         for row in plan.prefill:
@@ -153,15 +179,17 @@ class TorchAttentionBackend:
         return k, v
 
     # -- per-step plan ------------------------------------------------------------------------
-    def _plan_for(self, meta: AttentionMetadata, block_size: int, num_kv_heads: int, dtype: torch.dtype,
-                  device: torch.device) -> _StepPlan:
+    def _plan_for(self, meta: AttentionMetadata, key_cache: torch.Tensor, dtype: torch.dtype,
+                  device: torch.device, use_kernel: bool) -> _StepPlan:
         # Every layer of a step calls attend() with the same metadata: build the plan once. The key
         # includes the block table's version counter, so an in-place update of a reused metadata
         # object is never served a stale plan.
-        key = (id(meta), meta.block_tables._version, block_size, num_kv_heads, dtype, device)
+        num_blocks, block_size, num_kv_heads = key_cache.shape[:3]
+        key = (id(meta), meta.block_tables._version, key_cache.shape, dtype, device, use_kernel)
         if self._plan is not None and self._plan_key == key and self._plan_meta is meta:
             return self._plan
-        self._plan = build_plan(meta, block_size, num_kv_heads, dtype, device)
+        self._plan = build_plan(meta, block_size, num_kv_heads, dtype, device, use_kernel=use_kernel,
+                                num_blocks=num_blocks)
         self._plan_key = key
         self._plan_meta = meta
         return self._plan
@@ -172,7 +200,8 @@ def _blocks_for(seq_len: int, block_size: int) -> int:
 
 
 def build_plan(meta: AttentionMetadata, block_size: int, num_kv_heads: int = 1,
-               dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> _StepPlan:
+               dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+               use_kernel: bool = False, num_blocks: int | None = None) -> _StepPlan:
     starts = meta.query_start_loc_cpu
     seq_lens = meta.seq_lens_cpu
     if len(starts) != len(seq_lens) + 1:
@@ -205,6 +234,19 @@ def build_plan(meta: AttentionMetadata, block_size: int, num_kv_heads: int = 1,
         prefill.append(
             _PrefillRow(starts[row], starts[row + 1], tables[row, :n_blocks].to(device), seq_len, mask)
         )
+
+    if num_blocks is not None and tables.numel() and not 0 <= int(tables.min()) <= int(tables.max()) < num_blocks:
+        raise ValueError(f"block_tables hold ids outside [0, {num_blocks}) (the cache has {num_blocks} blocks)")
+    if use_kernel:
+        in_table = meta.block_tables.to("cpu", dtype=torch.int32).contiguous()
+        kernel = _KernelDecode(
+            block_tables=in_table,
+            token_index=torch.tensor([starts[r] for r in decode_rows], dtype=torch.long),
+            table_row=torch.tensor(decode_rows, dtype=torch.long),
+            seq_lens=torch.tensor([seq_lens[r] for r in decode_rows], dtype=torch.int32),
+            max_len=max((seq_lens[r] for r in decode_rows), default=1),
+        )
+        return _StepPlan(decode=[], prefill=prefill, all_tokens_decode_in_order=False, kernel_decode=kernel)
 
     decode: list[_DecodeBucket] = []
     decode_rows.sort(key=lambda r: seq_lens[r])
