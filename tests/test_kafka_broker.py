@@ -306,3 +306,22 @@ def test_cli_create_topic_applies_configs(kafka_bootstrap, capsys, monkeypatch):
 
     assert main(["kafka", "create-topic", f"cli-bad-{uuid.uuid4().hex[:8]}", "--config", "no-equals-sign"]) == 2
     assert "expected KEY=VALUE" in capsys.readouterr().err
+
+
+def test_refused_creation_is_fine_only_for_a_topic_that_already_fits():
+    """Decision rule behind ensure_topics for brokers that refuse CreateTopics (no ACL): the
+    local broker has no authorizer, so the rule is checked on metadata entries directly."""
+    from worker.kafka.admin import unresolved_refusals
+
+    def entry(topic: str, partitions: int, error_code: int = 0) -> dict:
+        return {"topic": topic, "error_code": error_code,
+                "partitions": [{"partition": p, "leader": 1} for p in range(partitions)]}
+
+    metadata = [entry("jobs", 8), entry("dlq", 4), entry("hidden", 8, error_code=29)]
+    refused = {name: "TopicAuthorizationFailedError (denied)" for name in ("jobs", "dlq", "results", "hidden")}
+    wanted = {"jobs": 8, "dlq": 8, "results": 8, "hidden": 8}
+    assert unresolved_refusals(refused, metadata, wanted) == [
+        "dlq: TopicAuthorizationFailedError (denied)",  # exists, wrong count
+        "results: TopicAuthorizationFailedError (denied)",  # does not exist
+        "hidden: TopicAuthorizationFailedError (denied)",  # not readable either
+    ]

@@ -105,19 +105,31 @@ async def ensure_topics(
              for s in specs],
             timeout_ms=int(timeout * 1000),
         )
-        problems = []
+        refused: dict[str, str] = {}
         for entry in response.topic_errors:
             name, code = entry[0], entry[1]
             message = entry[2] if len(entry) > 2 else None
             if code in (0, _TOPIC_ALREADY_EXISTS):
                 continue
             err = for_code(code)
-            problems.append(f"{name}: {err.__name__} ({message or err.description})")
-        if problems:
-            raise TopicError("cannot create topics: " + "; ".join(problems))
+            refused[name] = f"{err.__name__} ({message or err.description})"
+        if refused:
+            # A principal without CREATE permission (usual in production) is refused even for
+            # topics that exist; those are fine if their partition count is right.
+            metadata = await admin.describe_topics(None)
+            problems = unresolved_refusals(refused, metadata, {s.name: int(s.partitions) for s in specs})
+            if problems:
+                raise TopicError("cannot create topics: " + "; ".join(problems))
         await _wait_until_ready(admin, specs, deadline)
     finally:
         await admin.close()
+
+
+def unresolved_refusals(refused: Mapping[str, str], metadata: list[dict], wanted: Mapping[str, int]) -> list[str]:
+    """The refused creations that still matter: those whose topic is not already there with the
+    wanted partition count. ``metadata``: aiokafka's describe_topics() entries."""
+    present = {t["topic"]: len(t["partitions"]) for t in metadata if t["error_code"] == 0}
+    return [f"{name}: {reason}" for name, reason in refused.items() if present.get(name) != wanted[name]]
 
 
 async def _wait_until_ready(admin: Any, specs: list[TopicSpec], deadline: float) -> None:
