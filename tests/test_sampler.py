@@ -282,9 +282,11 @@ def test_top_k_and_top_p_never_draw_outside_the_kept_set():
 def test_inverse_cdf_never_picks_a_zero_probability_token():
     probs = torch.tensor([[0.0, 0.3, 0.7, 0.0, 0.0], [0.5, 0.0, 0.0, 0.5, 0.0]])
     top = torch.tensor([1.0 - 2**-53, 1.0 - 2**-53], dtype=torch.float64)
-    assert _inverse_cdf(probs, top).tolist() == [2, 3]
+    assert _inverse_cdf(probs.clone(), top).tolist() == [2, 3]
     bottom = torch.zeros(2, dtype=torch.float64)
-    assert _inverse_cdf(probs, bottom).tolist() == [1, 0]
+    assert _inverse_cdf(probs.clone(), bottom).tolist() == [1, 0]
+    # u * total rounding up to the total itself still lands on the last token with weight.
+    assert _inverse_cdf(probs.clone(), torch.ones(2, dtype=torch.float64)).tolist() == [2, 3]
 
 
 # -- min_tokens, ignore_eos, logprobs, errors ---------------------------------------------------

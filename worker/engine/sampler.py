@@ -133,6 +133,10 @@ class Sampler:
         # Uniforms are drawn on the CPU (N numbers per step) so the stream of an unseeded engine
         # does not depend on the device.
         self._generator = torch.Generator(device="cpu")
+        # One reusable [rows, V] float32 buffer. On CPU a fresh tensor above 32 MiB (e.g. 256 x
+        # 32000 logits) is a new mmap whose page faults cost ~16 ms each time; reusing one buffer
+        # for the temperature-scaled logits, weights and CDF avoids that every step.
+        self._buffer: torch.Tensor | None = None
         if seed is None:
             self._generator.seed()
         else:
@@ -155,8 +159,9 @@ class Sampler:
         probs = torch.zeros_like(logits)
         if processed.greedy_choice is not None:
             probs[processed.greedy_rows, processed.greedy_choice] = 1.0
-        if processed.random_probs is not None:
-            probs[processed.random_rows] = processed.random_probs
+        if processed.random_weights is not None:
+            weights = processed.random_weights
+            probs[processed.random_rows] = weights / weights.sum(dim=1, keepdim=True)
         return probs
 
     # -- steps ----------------------------------------------------------------------------------
@@ -194,7 +199,7 @@ class Sampler:
         random = [i for i, inp in enumerate(inputs) if not is_greedy(inp.params)]
         greedy_rows = torch.tensor(greedy, dtype=torch.long, device=device)
         random_rows = torch.tensor(random, dtype=torch.long, device=device)
-        greedy_choice = random_probs = None
+        greedy_choice = random_weights = None
 
         flat = logits.view(-1)
         edits = _edits(logits, inputs)
@@ -210,22 +215,25 @@ class Sampler:
             if random:
                 params = [inputs[i].params for i in random]
                 temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
-                rows = logits if len(random) == len(inputs) else logits[random_rows]
-                x = rows / temps.unsqueeze(1)  # a new tensor: truncation below may write into it
-                random_probs = _truncated_probs(x, params)
+                x = self._workspace(len(random), logits.shape[1], device)
+                if len(random) == len(inputs):
+                    torch.div(logits, temps.unsqueeze(1), out=x)
+                else:
+                    torch.index_select(logits, 0, random_rows, out=x).div_(temps.unsqueeze(1))
+                random_weights = _truncated_weights(x, params)
         finally:
             for positions, original in reversed(saved):
                 flat[positions] = original
-        return _Processed(greedy_rows, greedy_choice, random_rows, random, random_probs)
+        return _Processed(greedy_rows, greedy_choice, random_rows, random, random_weights)
 
     def _sample(self, processed: _Processed, inputs: Sequence[SamplingInputs], n: int, device) -> torch.Tensor:
         """Token id per row [N] (on the logits' device)."""
         token_ids = torch.empty(n, dtype=torch.long, device=device)
         if processed.greedy_choice is not None:
             token_ids[processed.greedy_rows] = processed.greedy_choice
-        if processed.random_probs is not None:
+        if processed.random_weights is not None:
             uniforms = self._uniforms([inputs[i] for i in processed.random_row_list])
-            token_ids[processed.random_rows] = _inverse_cdf(processed.random_probs, uniforms.to(device))
+            token_ids[processed.random_rows] = _inverse_cdf(processed.random_weights, uniforms.to(device))
         return token_ids
 
     def _uniforms(self, inputs: Sequence[SamplingInputs]) -> torch.Tensor:
@@ -238,9 +246,15 @@ class Sampler:
                 u[j] = seeded_uniform(inp.params.seed, len(inp.output_token_ids))
         return u
 
-    @staticmethod
+    def _workspace(self, rows: int, vocab: int, device: torch.device) -> torch.Tensor:
+        need = rows * vocab
+        buf = self._buffer
+        if buf is None or buf.device != device or buf.numel() < need:
+            buf = self._buffer = torch.empty(need, dtype=torch.float32, device=device)
+        return buf[:need].view(rows, vocab)
+
     def _with_logprobs(
-        raw_logits: torch.Tensor, token_ids: torch.Tensor, inputs: Sequence[SamplingInputs]
+        self, raw_logits: torch.Tensor, token_ids: torch.Tensor, inputs: Sequence[SamplingInputs]
     ) -> list[SampledToken]:
         ids = token_ids.tolist()
         out = [SampledToken(t) for t in ids]
@@ -249,18 +263,25 @@ class Sampler:
             return out
         device = raw_logits.device
         rows = torch.tensor(want, dtype=torch.long, device=device)
-        logprobs = torch.log_softmax(raw_logits[rows], dim=1)
-        chosen = logprobs.gather(1, token_ids[rows].unsqueeze(1)).squeeze(1).tolist()
+        # Raw logprob = logit - logsumexp(row). The rows are copied into the buffer (sampling is
+        # done with it) and exponentiated there in place, so no [N, V] temporary is allocated.
+        x = torch.index_select(raw_logits, 0, rows, out=self._workspace(len(want), raw_logits.shape[1], device))
+        chosen = x.gather(1, token_ids[rows].unsqueeze(1)).squeeze(1)
         top_n = max(inputs[i].params.logprobs for i in want)
-        top_vals: list[list[float]] = [[] for _ in want]
-        top_ids: list[list[int]] = [[] for _ in want]
         if top_n:
-            vals, idx = logprobs.topk(min(top_n, logprobs.shape[1]), dim=1)
-            top_vals, top_ids = vals.tolist(), idx.tolist()
+            top_vals, top_idx = x.topk(min(top_n, x.shape[1]), dim=1)
+        row_max = x.amax(dim=1, keepdim=True)
+        log_total = (row_max + x.sub_(row_max).exp_().sum(dim=1, keepdim=True).log_()).squeeze(1)
+        chosen_list = (chosen - log_total).tolist()
+        top_vals_list: list[list[float]] = [[] for _ in want]
+        top_ids_list: list[list[int]] = [[] for _ in want]
+        if top_n:
+            top_vals_list = (top_vals - log_total.unsqueeze(1)).tolist()
+            top_ids_list = top_idx.tolist()
         for j, i in enumerate(want):
             n = inputs[i].params.logprobs
-            out[i].logprob = chosen[j]
-            out[i].top_logprobs = list(zip(top_ids[j][:n], top_vals[j][:n]))
+            out[i].logprob = chosen_list[j]
+            out[i].top_logprobs = list(zip(top_ids_list[j][:n], top_vals_list[j][:n]))
         return out
 
 
@@ -270,7 +291,8 @@ class _Processed:
     greedy_choice: torch.Tensor | None  # long [G]: argmax after masks and penalties
     random_rows: torch.Tensor  # long [R]
     random_row_list: list[int]  # the same rows, on the host
-    random_probs: torch.Tensor | None  # [R, V]: the distribution each random row is drawn from
+    # [R, V] unnormalised probabilities each random row is drawn from (in the sampler's buffer).
+    random_weights: torch.Tensor | None
 
 
 def _check_ids(ids: torch.Tensor, vocab: int, what: str) -> None:
@@ -357,8 +379,9 @@ def _prompt_ids_tensor(inp: SamplingInputs, vocab: int) -> torch.Tensor:
 TOP_P_CANDIDATES = 256
 
 
-def _truncated_probs(x: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """min_p, top_k and top_p on temperature-scaled logits [R, V] (modified in place) -> probs.
+def _truncated_weights(x: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """min_p, top_k and top_p on temperature-scaled logits [R, V], all in place; returns x turned
+    into unnormalised probabilities (exp(logit - row max); dropped tokens weigh 0).
 
     Each filter keeps every token whose logit reaches a per-row threshold, so tokens tied with the
     last kept one are all kept (HF/vLLM's top_k rule, applied to top_p too) and a row's result
@@ -401,7 +424,7 @@ def _truncated_probs(x: torch.Tensor, params: Sequence[SamplingParams]) -> torch
         if sub is not x:
             x[idx] = sub
 
-    return torch.softmax(x, dim=1)
+    return x.sub_(x.amax(dim=1, keepdim=True)).exp_()
 
 
 def _top_p_cutoff(
@@ -415,7 +438,7 @@ def _top_p_cutoff(
     """
     vocab = x.shape[1]
     values = known if known is not None else x.topk(candidates, dim=1).values
-    log_total = torch.logsumexp(x, dim=1, keepdim=True)
+    log_total = _row_logsumexp(x).unsqueeze(1)
     probs = torch.exp(values - log_total)
     cumulative = torch.cumsum(probs, dim=1)
     mass_before = torch.cat([torch.zeros_like(cumulative[:, :1]), cumulative[:, :-1]], dim=1)
@@ -430,15 +453,23 @@ def _top_p_cutoff(
     return cutoff
 
 
-def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """Draw one token per row: the first id whose cumulative probability exceeds u * total."""
-    cdf = probs.cumsum(dim=1)
-    target = (uniforms.to(cdf.dtype) * cdf[:, -1]).unsqueeze(1)
-    idx = torch.searchsorted(cdf, target, right=True).squeeze(1)
-    # u * total can round up to total itself: then take the last token with non-zero probability.
-    past_end = idx >= probs.shape[1]
-    if bool(past_end.any()):
-        positive = probs > 0
-        last_positive = probs.shape[1] - 1 - positive.flip(1).to(torch.int8).argmax(dim=1)
-        idx = torch.where(past_end, last_positive, idx)
-    return idx
+def _row_logsumexp(x: torch.Tensor, rows_per_chunk: int = 16) -> torch.Tensor:
+    """torch.logsumexp over dim 1; on CPU a few rows at a time, so its temporary stays small
+    (a fresh [N, V] temporary above 32 MiB costs page faults on every call)."""
+    if x.device.type != "cpu" or x.shape[0] <= rows_per_chunk:
+        return torch.logsumexp(x, dim=1)
+    return torch.cat([torch.logsumexp(chunk, dim=1) for chunk in x.split(rows_per_chunk)])
+
+
+def _inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Draw one token per row: the first id whose cumulative weight exceeds u * total weight.
+
+    Turns `weights` [R, V] into its cumulative sum in place.
+    """
+    cdf = weights.cumsum_(dim=1)
+    total = cdf[:, -1:].contiguous()
+    idx = torch.searchsorted(cdf, uniforms.to(cdf.dtype).unsqueeze(1) * total, right=True)
+    # u * total can round up to total itself: then take the last token with non-zero weight,
+    # which is where the cumulative sum first reaches its total.
+    last_positive = torch.searchsorted(cdf, total, right=False)
+    return torch.minimum(idx, last_positive).squeeze(1)
