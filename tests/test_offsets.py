@@ -132,3 +132,18 @@ def test_many_partitions_stay_independent():
         left = outstanding[tp][len(outstanding[tp]) // 2 :]
         assert t.get(tp).commit_point() == min(left)
         assert t.in_flight(tp) == len(left)
+
+
+def test_an_epoch_refuses_records_below_its_start():
+    """A record fetched for an older position (before the seek to the committed offset) must not
+    become the epoch's first record, or the records between would be committed unanswered."""
+    p = PartitionOffsets(epoch=1, max_span=100)
+    p.expect_from(40)
+    assert not p.accepts(39) and p.accepts(40) and p.accepts(55)
+    with pytest.raises(ValueError):
+        p.track(12)
+    p.track(41)
+    assert not p.accepts(41) and p.accepts(42)
+    assert p.commit_point() == 41
+    with pytest.raises(ValueError):
+        p.expect_from(0)

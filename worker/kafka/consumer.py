@@ -314,22 +314,31 @@ class KafkaWorker:
     # rebalancing
     async def _on_assigned(self, assigned: set[TopicPartition]) -> None:
         assigned = {tp for tp in assigned if tp.topic == self.s.jobs_topic}
-        epochs = self.tracker.assign(assigned)
-        if self.s.exactly_once:
-            for tp in assigned:
+        starts: dict[TopicPartition, int | None] = {}
+        for tp in assigned:
+            if self.s.exactly_once:
                 txn = PartitionTransactions(tp, self.s.group_id, self._new_txn_producer, self.log)
                 # Initialising the id aborts what a previous owner left open; only then is the
-                # committed offset final, so read it afterwards and start from there.
+                # committed offset final, so it is read afterwards.
                 await txn.start()
                 self._txns[tp] = txn
-            for tp in assigned:
-                committed = await self.consumer.committed(tp)
-                if committed is not None:
-                    self.consumer.seek(tp, committed)
+            # aiokafka may hand out records of a new assignment while this callback still runs;
+            # those are skipped (the partition is not tracked yet), so the position is set here
+            # explicitly: the committed offset, or the beginning when nothing was committed.
+            start = await self.consumer.committed(tp)
+            if start is None:
+                start = (await self.consumer.beginning_offsets([tp]))[tp]
+            starts[tp] = start
+            self.consumer.seek(tp, start)
+        # No await from here on: the epoch begins atomically with respect to the poll task.
+        epochs = self.tracker.assign(assigned)
+        for tp, start in starts.items():
+            self.tracker.get(tp).expect_from(start)
         if self._stop.is_set() and assigned:
             self.consumer.pause(*assigned)
         self.health.group_joined = True
-        self.log.info("partitions assigned", partitions=sorted(tp.partition for tp in assigned), epochs=list(epochs.values()))
+        self.log.info("partitions assigned", partitions=sorted(tp.partition for tp in assigned),
+                      epochs=list(epochs.values()), start_offsets={tp.partition: o for tp, o in starts.items()})
 
     async def _on_revoked(self, revoked: set[TopicPartition]) -> None:
         owned = {tp for tp in revoked if self.tracker.get(tp) is not None}
@@ -416,6 +425,12 @@ class KafkaWorker:
         part = self.tracker.get(tp)
         if part is None or tp in self._revoking or self._stop.is_set():
             return True  # not ours (any more): the next owner reads it from the committed offset
+        if not part.accepts(rec.offset):
+            # Below where this epoch starts, or already tracked: a record fetched for an older
+            # position. Its offset is covered by the committed offset or by this epoch's fetching.
+            self.log.warning("skipping a record fetched before the current position", partition=tp.partition,
+                             offset=rec.offset, expected_from=part.next_expected)
+            return True
         if not part.has_room():
             return False
         epoch = part.epoch
@@ -639,6 +654,10 @@ class KafkaWorker:
                 self._dlq_partitions = 0
         while True:
             await asyncio.sleep(self.s.commit_interval_s)
+            self.log.debug("commit tick", partitions=[tp.partition for tp in self.tracker.partitions()],
+                           paused=sorted(tp.partition for tp in self.consumer.paused()),
+                           gate_paused=self.gate.paused, span_paused=sorted(tp.partition for tp in self._span_paused),
+                           in_flight=self.tracker.in_flight())
             await self._commit([tp for tp in self.tracker.partitions() if tp not in self._revoking])
             self._update_lag()
 

@@ -29,12 +29,28 @@ class PartitionOffsets:
     _heap: list[int] = field(default_factory=list)  # lazy-deletion min-heap over _pending
     _next_fetch: int | None = None  # one past the highest tracked offset
     _base: int | None = None  # first offset tracked in this epoch
+    _start: int | None = None  # where this epoch's fetching begins (committed offset), if known
     last_committed: int | None = None
+
+    def expect_from(self, offset: int | None) -> None:
+        """The epoch's start position (the committed offset), if known: lower offsets are refused."""
+        if self._next_fetch is not None:
+            raise ValueError("expect_from must be called before the first offset is tracked")
+        self._start = offset
+
+    @property
+    def next_expected(self) -> int | None:
+        return self._next_fetch if self._next_fetch is not None else self._start
+
+    def accepts(self, offset: int) -> bool:
+        """Whether offset may be tracked next: at or after the start and above everything tracked."""
+        floor = self.next_expected
+        return floor is None or offset >= floor
 
     def track(self, offset: int) -> None:
         """Record a fetched offset as outstanding. Offsets must arrive in increasing order."""
-        if self._next_fetch is not None and offset < self._next_fetch:
-            raise ValueError(f"offset {offset} tracked out of order (next expected >= {self._next_fetch})")
+        if not self.accepts(offset):
+            raise ValueError(f"offset {offset} tracked out of order (next expected >= {self.next_expected})")
         if self._base is None:
             self._base = offset
         self._pending.add(offset)

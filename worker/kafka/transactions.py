@@ -16,6 +16,7 @@ visible, so those jobs are answered again exactly once. Token events are not par
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from collections.abc import Callable
 
@@ -50,6 +51,8 @@ class PartitionTransactions:
         self.last_committed: int | None = None
         self.log = log.bind(partition=tp.partition, transactional_id=self.txn_id)
         self.transactions = 0
+        # The commit task and a rebalance callback may both flush: one transaction at a time.
+        self._lock = asyncio.Lock()
 
     async def start(self) -> None:
         """Create the producer and initialise the id: aborts a previous owner's open transaction."""
@@ -64,6 +67,10 @@ class PartitionTransactions:
         return len(self._ready)
 
     async def flush(self, commit_point: int | None) -> int:
+        async with self._lock:
+            return await self._flush(commit_point)
+
+    async def _flush(self, commit_point: int | None) -> int:
         """Publish the answers below commit_point with the offset; returns how many were sent.
 
         Raises PartitionFenced when another owner took the partition over; on other Kafka errors
@@ -107,6 +114,7 @@ class PartitionTransactions:
             del self._ready[off]
         self.last_committed = commit_point
         self.transactions += 1
+        self.log.debug("transaction committed", answers=len(offsets), committed_offset=commit_point)
         return len(offsets)
 
     async def _discard_producer(self) -> None:
@@ -118,4 +126,5 @@ class PartitionTransactions:
                 pass
 
     async def stop(self) -> None:
-        await self._discard_producer()
+        async with self._lock:
+            await self._discard_producer()
