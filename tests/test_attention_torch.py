@@ -133,6 +133,24 @@ def test_kernel_and_torch_paths_agree_on_long_contexts():
     torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
+def test_kernel_gives_identical_results_on_several_threads():
+    lens = [(1, c) for c in range(0, 900, 37)]
+    case = random_case(12, lens, 4, 2, 16, 8)
+    meta, kc, vc = case["meta"], case["key_cache"], case["value_cache"]
+    TorchAttentionBackend(use_cpu_kernel=True).write_kv(case["new_keys"], case["new_values"], kc, vc, meta.slot_mapping)
+    outs = []
+    for threads in (1, 3):
+        out = torch.zeros_like(case["query"])
+        cpu_decode_kernel.paged_decode_attention(
+            case["query"], kc, vc, meta.block_tables.contiguous(), torch.tensor(meta.query_start_loc_cpu[:-1]),
+            torch.arange(len(lens)), meta.seq_lens, meta.max_seq_len, out, 0.25, num_threads=threads,
+        )
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])  # rows are independent: threading changes nothing
+    want = reference_attention(case["query"], case["keys"], case["values"], case["rows"], 0.25)
+    torch.testing.assert_close(outs[1].double(), want, atol=1e-5, rtol=1e-5)
+
+
 def test_fp16_close_to_reference():
     case = random_case(5, [(4, 3), (1, 20), (1, 6)], 4, 2, 16, 4, dtype=torch.float16)
     got = run_backend(case, 0.25)

@@ -33,6 +33,7 @@ DISABLE_ENV = "TOKENMILL_CPU_ATTENTION_KERNEL"  # "0" turns the kernel off (plai
 
 _SOURCE = r"""
 #include <math.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -48,41 +49,44 @@ static inline float dot_f32(const float *a, const float *b, int64_t D) {
     return ((part[0] + part[4]) + (part[1] + part[5])) + ((part[2] + part[6]) + (part[3] + part[7])) + tail;
 }
 
-/* Decode rows: one query token each. Row r (token tok = token_index[r], length L = seq_lens[r]) attends
-   over keys 0 .. L-1, found through block_tables[table_row[r]]: position p lives in block
-   table[p / bs] at offset p % bs. Query head j uses kv head j / G (G = H / Hkv).
+typedef struct {
+    const float *query; int64_t q_stride;
+    const float *key_cache, *value_cache;
+    const int32_t *block_tables; int64_t table_stride;
+    const int64_t *token_index, *table_row; const int32_t *seq_lens;
+    float *out; int64_t out_stride;
+    int64_t H, Hkv, D, bs, max_len; float scale;
+    int64_t begin, end; /* rows of this worker */
+    int status;
+} job_t;
+
+/* Decode rows begin..end-1: one query token each. Row r (token tok = token_index[r], length
+   L = seq_lens[r]) attends over keys 0 .. L-1, found through block_tables[table_row[r]]: position p
+   lives in block table[p / bs] at offset p % bs. Query head j uses kv head j / G (G = H / Hkv).
    Cache layout [num_blocks, bs, Hkv, D]: each block is read front to back (all kv heads of a token
-   together), so memory is streamed sequentially. query/out are [tokens, H, D] with row strides
-   q_stride/out_stride. Returns 0, or -1 if scratch memory could not be allocated. */
-int paged_decode_attention_f32(
-    const float *query, int64_t q_stride,
-    const float *key_cache, const float *value_cache,
-    const int32_t *block_tables, int64_t table_stride,
-    const int64_t *token_index, const int64_t *table_row, const int32_t *seq_lens, int64_t n,
-    float *out, int64_t out_stride,
-    int64_t H, int64_t Hkv, int64_t D, int64_t bs, float scale, int64_t max_len)
-{
-    const int64_t G = H / Hkv;
+   together), and the next block is prefetched, so memory streams although blocks are scattered. */
+static void *decode_rows(void *arg) {
+    job_t *a = (job_t *)arg;
+    const int64_t H = a->H, D = a->D, bs = a->bs, max_len = a->max_len;
+    const int64_t G = H / a->Hkv, token_stride = a->Hkv * D;
     float *scores = (float *)malloc(sizeof(float) * (size_t)(H * max_len + H * D));
-    if (!scores) return -1;
+    if (!scores) { a->status = -1; return 0; }
     float *acc = scores + H * max_len;
-    const int64_t token_stride = Hkv * D;
-    for (int64_t r = 0; r < n; ++r) {
-        const int64_t L = seq_lens[r];
-        const int32_t *table = block_tables + table_row[r] * table_stride;
-        const float *q = query + token_index[r] * q_stride;
-        float *o = out + token_index[r] * out_stride;
+    for (int64_t r = a->begin; r < a->end; ++r) {
+        const int64_t L = a->seq_lens[r];
+        const int32_t *table = a->block_tables + a->table_row[r] * a->table_stride;
+        const float *q = a->query + a->token_index[r] * a->q_stride;
+        float *o = a->out + a->token_index[r] * a->out_stride;
         /* scores[j][p] = scale * q_j . k_p (kv head of j) */
         for (int64_t p0 = 0; p0 < L; p0 += bs) {
-            const float *kb = key_cache + (int64_t)table[p0 / bs] * bs * token_stride;
+            const float *kb = a->key_cache + (int64_t)table[p0 / bs] * bs * token_stride;
             const int64_t cnt = (L - p0) < bs ? (L - p0) : bs;
-            /* blocks are scattered: fetch the next block while this one is computed */
-            const float *next = p0 + bs < L ? key_cache + (int64_t)table[p0 / bs + 1] * bs * token_stride : 0;
+            const float *next = p0 + bs < L ? a->key_cache + (int64_t)table[p0 / bs + 1] * bs * token_stride : 0;
             for (int64_t t = 0; t < cnt; ++t) {
                 if (next)
                     for (int64_t l = 0; l < token_stride; l += 16) __builtin_prefetch(next + t * token_stride + l);
                 for (int64_t j = 0; j < H; ++j)
-                    scores[j * max_len + p0 + t] = dot_f32(q + j * D, kb + t * token_stride + (j / G) * D, D) * scale;
+                    scores[j * max_len + p0 + t] = dot_f32(q + j * D, kb + t * token_stride + (j / G) * D, D) * a->scale;
             }
         }
         /* softmax per query head, 1/sum folded into the weights */
@@ -98,30 +102,79 @@ int paged_decode_attention_f32(
         for (int64_t i = 0; i < H * D; ++i) acc[i] = 0.f;
         /* acc[j] = sum_p w[j][p] * v_p */
         for (int64_t p0 = 0; p0 < L; p0 += bs) {
-            const float *vb = value_cache + (int64_t)table[p0 / bs] * bs * token_stride;
+            const float *vb = a->value_cache + (int64_t)table[p0 / bs] * bs * token_stride;
             const int64_t cnt = (L - p0) < bs ? (L - p0) : bs;
-            const float *next = p0 + bs < L ? value_cache + (int64_t)table[p0 / bs + 1] * bs * token_stride : 0;
+            const float *next = p0 + bs < L ? a->value_cache + (int64_t)table[p0 / bs + 1] * bs * token_stride : 0;
             for (int64_t t = 0; t < cnt; ++t) {
                 if (next)
                     for (int64_t l = 0; l < token_stride; l += 16) __builtin_prefetch(next + t * token_stride + l);
                 for (int64_t j = 0; j < H; ++j) {
                     const float w = scores[j * max_len + p0 + t];
                     const float *v = vb + t * token_stride + (j / G) * D;
-                    float *a = acc + j * D;
-                    for (int64_t d = 0; d < D; ++d) a[d] += w * v[d];
+                    float *acc_j = acc + j * D;
+                    for (int64_t d = 0; d < D; ++d) acc_j[d] += w * v[d];
                 }
             }
         }
         for (int64_t i = 0; i < H * D; ++i) o[i] = acc[i];
     }
     free(scores);
+    a->status = 0;
+    return 0;
+}
+
+#define MAX_THREADS 64
+
+/* query/out are [tokens, H, D] with row strides q_stride/out_stride. Rows are split over up to
+   n_threads workers in contiguous ranges of about equal total length (work is proportional to it).
+   Returns 0, or -1 if a worker could not allocate its scratch memory. */
+int paged_decode_attention_f32(
+    const float *query, int64_t q_stride,
+    const float *key_cache, const float *value_cache,
+    const int32_t *block_tables, int64_t table_stride,
+    const int64_t *token_index, const int64_t *table_row, const int32_t *seq_lens, int64_t n,
+    float *out, int64_t out_stride,
+    int64_t H, int64_t Hkv, int64_t D, int64_t bs, float scale, int64_t max_len, int64_t n_threads)
+{
+    job_t jobs[MAX_THREADS];
+    pthread_t threads[MAX_THREADS];
+    int started[MAX_THREADS] = {0};
+    int64_t total = 0;
+    for (int64_t r = 0; r < n; ++r) total += seq_lens[r];
+    if (n_threads < 1) n_threads = 1;
+    if (n_threads > MAX_THREADS) n_threads = MAX_THREADS;
+    if (n_threads > n) n_threads = n > 0 ? n : 1;
+    if (total < 4096) n_threads = 1; /* too little work to pay for a thread */
+    int64_t r = 0, done = 0;
+    for (int64_t w = 0; w < n_threads; ++w) {
+        job_t *j = &jobs[w];
+        j->query = query; j->q_stride = q_stride; j->key_cache = key_cache; j->value_cache = value_cache;
+        j->block_tables = block_tables; j->table_stride = table_stride;
+        j->token_index = token_index; j->table_row = table_row; j->seq_lens = seq_lens;
+        j->out = out; j->out_stride = out_stride;
+        j->H = H; j->Hkv = Hkv; j->D = D; j->bs = bs; j->max_len = max_len; j->scale = scale;
+        j->begin = r;
+        const int64_t goal = total * (w + 1) / n_threads;
+        while (r < n && (done < goal || w == n_threads - 1)) done += seq_lens[r++];
+        j->end = r;
+        j->status = 0;
+    }
+    for (int64_t w = 1; w < n_threads; ++w)
+        started[w] = pthread_create(&threads[w], 0, decode_rows, &jobs[w]) == 0;
+    decode_rows(&jobs[0]);
+    for (int64_t w = 1; w < n_threads; ++w) {
+        if (started[w]) pthread_join(threads[w], 0);
+        else decode_rows(&jobs[w]); /* could not start a thread: do its share here */
+    }
+    for (int64_t w = 0; w < n_threads; ++w)
+        if (jobs[w].status != 0) return -1;
     return 0;
 }
 """
 
 # gnu99 (not c99) keeps -ffp-contract=fast, i.e. fused multiply-add; no -ffast-math, so expf, inf and
 # NaN keep their IEEE behaviour.
-_FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-std=gnu99"]
+_FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-std=gnu99", "-pthread"]
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -164,7 +217,7 @@ def _build() -> ctypes.CDLL | None:
     lib = ctypes.CDLL(str(target))
     fn = lib.paged_decode_attention_f32
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_float, i64]
+    fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_float, i64, i64]
     fn.restype = ctypes.c_int
     return lib
 
@@ -200,8 +253,12 @@ def paged_decode_attention(
     max_len: int,
     out: torch.Tensor,  # [T, H, D] float32: rows token_index are written
     scale: float,
+    num_threads: int | None = None,
 ) -> None:
-    """Caller guarantees the indices are in range (the torch backend's plan checks them)."""
+    """Caller guarantees the indices are in range (the torch backend's plan checks them).
+
+    num_threads: worker threads (default: torch's intra-op thread count, so `--threads` applies).
+    """
     lib = load()
     if lib is None:
         raise RuntimeError("the CPU decode attention kernel is not available")
@@ -216,6 +273,7 @@ def paged_decode_attention(
         token_index.data_ptr(), table_row.data_ptr(), seq_lens.data_ptr(), token_index.numel(),
         out.data_ptr(), out.stride(0),
         num_heads, num_kv_heads, head_dim, block_size, float(scale), max(int(max_len), 1),
+        torch.get_num_threads() if num_threads is None else int(num_threads),
     )
     if rc != 0:
         raise MemoryError("CPU decode attention kernel could not allocate its scratch buffer")
