@@ -177,10 +177,21 @@ def test_sampler_leaves_the_callers_logits_alone():
 # -- seeding ------------------------------------------------------------------------------------
 
 
-def test_seeded_row_same_tokens_alone_and_in_any_batch():
+@pytest.mark.parametrize(
+    "target",
+    [
+        dict(temperature=0.8),
+        dict(temperature=0.8, top_p=0.9),
+        dict(temperature=0.8, top_p=0.9, top_k=20),
+        dict(temperature=1.2, min_p=0.05, top_p=0.8),
+        dict(temperature=0.7, top_k=5, repetition_penalty=1.3, frequency_penalty=0.4, logprobs=2),
+    ],
+)
+@pytest.mark.parametrize("vocab", [VOCAB, 1000])  # 1000: top_p looks at 256 candidates first
+def test_seeded_row_same_tokens_alone_and_in_any_batch(target, vocab):
     rng = random.Random(42)
-    target_params = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=1234)
-    target_logits = random_logits(1, seed=99)[0] * 0.2  # flat enough that draws differ
+    target_params = SamplingParams(seed=1234, **target)
+    target_logits = random_logits(1, seed=99, vocab=vocab)[0] * (0.2 if vocab == VOCAB else 0.5)
     steps = [[rng.randrange(VOCAB) for _ in range(k)] for k in range(8)]  # output so far, per step
 
     def target_at(step):
@@ -201,7 +212,7 @@ def test_seeded_row_same_tokens_alone_and_in_any_batch():
             ]
             pos = rng.randrange(size)
             batch = others[:pos] + [target_at(s)] + others[pos:]
-            logits = random_logits(size, seed=trial * 100 + s)
+            logits = random_logits(size, seed=trial * 100 + s, vocab=vocab)
             logits[pos] = target_logits
             got.append(sampler(logits, batch)[pos].token_id)
         assert got == alone, f"trial {trial}"

@@ -12,8 +12,9 @@ Order of operations for each row (the vLLM v1 order):
    ``logit -= frequency * count + presence * (count > 0)``).
 4. greedy rows (temperature below 1e-5, like vLLM) take the argmax; ties go to the lowest id.
 5. other rows: divide by temperature, then min_p (drop tokens whose probability is below
-   ``min_p * max probability``), then top_k (ties with the k-th logit are kept), then top_p (keep the
-   smallest prefix of the descending, stably sorted distribution whose mass reaches top_p), then draw.
+   ``min_p * max probability``), then top_k (ties with the k-th logit are kept), then top_p (walking
+   down the distribution, keep tokens while the mass before them is below top_p; ties with the last
+   kept token are kept), then draw.
 
 Drawing is inverse-CDF sampling in token-id order from one uniform number per row. A seeded row's
 uniform is a hash of (seed, number of tokens generated so far) and nothing else, so the same request
@@ -28,7 +29,7 @@ penalties, masks or logprobs is a single argmax.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -136,7 +137,7 @@ class Sampler:
         # One reusable [rows, V] float32 buffer. On CPU a fresh tensor above 32 MiB (e.g. 256 x
         # 32000 logits) is a new mmap whose page faults cost ~16 ms each time; reusing one buffer
         # for the temperature-scaled logits, weights and CDF avoids that every step.
-        self._buffer: torch.Tensor | None = None
+        self._buffers: dict[str, torch.Tensor] = {}
         if seed is None:
             self._generator.seed()
         else:
@@ -220,7 +221,8 @@ class Sampler:
                     torch.div(logits, temps.unsqueeze(1), out=x)
                 else:
                     torch.index_select(logits, 0, random_rows, out=x).div_(temps.unsqueeze(1))
-                random_weights = _truncated_weights(x, params)
+                keep_buffer = lambda: self._workspace(len(random), logits.shape[1], device, "keep")  # noqa: E731
+                random_weights = _truncated_weights(x, params, keep_buffer)
         finally:
             for positions, original in reversed(saved):
                 flat[positions] = original
@@ -246,11 +248,11 @@ class Sampler:
                 u[j] = seeded_uniform(inp.params.seed, len(inp.output_token_ids))
         return u
 
-    def _workspace(self, rows: int, vocab: int, device: torch.device) -> torch.Tensor:
+    def _workspace(self, rows: int, vocab: int, device: torch.device, name: str = "main") -> torch.Tensor:
         need = rows * vocab
-        buf = self._buffer
+        buf = self._buffers.get(name)
         if buf is None or buf.device != device or buf.numel() < need:
-            buf = self._buffer = torch.empty(need, dtype=torch.float32, device=device)
+            buf = self._buffers[name] = torch.empty(need, dtype=torch.float32, device=device)
         return buf[:need].view(rows, vocab)
 
     def _with_logprobs(
@@ -379,66 +381,87 @@ def _prompt_ids_tensor(inp: SamplingInputs, vocab: int) -> torch.Tensor:
 TOP_P_CANDIDATES = 256
 
 
-def _truncated_weights(x: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """min_p, top_k and top_p on temperature-scaled logits [R, V], all in place; returns x turned
-    into unnormalised probabilities (exp(logit - row max); dropped tokens weigh 0).
+def _truncated_weights(
+    x: torch.Tensor, params: Sequence[SamplingParams], keep_buffer: Callable[[], torch.Tensor]
+) -> torch.Tensor:
+    """min_p, top_k and top_p on temperature-scaled logits [R, V]; returns x, overwritten in place
+    with unnormalised probabilities (exp(logit - row max); dropped tokens weigh 0).
 
     Each filter keeps every token whose logit reaches a per-row threshold, so tokens tied with the
     last kept one are all kept (HF/vLLM's top_k rule, applied to top_p too) and a row's result
-    depends only on its own logits, never on the other rows of the batch or on sort order.
+    depends only on its own logits, never on the other rows of the batch or on sort order. The
+    thresholds are found first (each filter measured on what the previous ones keep) and applied
+    once at the end as a 0/1 float mask from `keep_buffer()`: masked_fill over [R, V] is several
+    times slower on CPU than a comparison into a float buffer and a multiply.
     """
     device = x.device
-    vocab = x.shape[1]
+    rows, vocab = x.shape
     neg_inf = float("-inf")
+    row_max = x.amax(dim=1)
+    threshold = torch.full((rows,), neg_inf, device=device)
+    filtered = False
+
     if any(p.min_p > 0 for p in params):
         min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
-        # p_i < min_p * p_max  <=>  x_i < x_max + log(min_p): no softmax over [R, V] needed.
-        threshold = x.amax(dim=1) + torch.log(min_p)
-        x.masked_fill_(x < threshold.unsqueeze(1), neg_inf)
+        # p_i < min_p * p_max  <=>  x_i < x_max + log(min_p); min_p == 0 gives -inf: keeps all.
+        threshold = row_max + torch.log(min_p)
+        filtered = True
 
-    rows_total = len(params)
     k_rows = [j for j, p in enumerate(params) if 0 < p.top_k < vocab]
-    top_kept = None  # the k-rows' largest logits after top_k, sorted: top_p can start from them
+    top_kept = None  # the k-rows' largest logits that survive so far, sorted: top_p can reuse them
     if k_rows:
         idx = torch.tensor(k_rows, dtype=torch.long, device=device)
         ks = torch.tensor([params[j].top_k for j in k_rows], dtype=torch.long, device=device)
-        sub = x if len(k_rows) == rows_total else x[idx]
-        top = sub.topk(int(ks.max()), dim=1).values  # sorted, largest first
-        kth = top.gather(1, (ks - 1).unsqueeze(1))
-        sub.masked_fill_(sub < kth, neg_inf)
-        if sub is not x:
-            x[idx] = sub
-        top_kept = top.masked_fill_(top < kth, neg_inf)
+        top = (x if len(k_rows) == rows else x[idx]).topk(int(ks.max()), dim=1).values  # largest first
+        kth = top.gather(1, (ks - 1).unsqueeze(1)).squeeze(1)
+        threshold[idx] = torch.maximum(threshold[idx], kth)
+        top_kept = top.masked_fill_(top < threshold[idx].unsqueeze(1), neg_inf)
+        filtered = True
 
     p_rows = [j for j, p in enumerate(params) if p.top_p < 1.0]
     if p_rows:
         idx = torch.tensor(p_rows, dtype=torch.long, device=device)
         top_p = torch.tensor([params[j].top_p for j in p_rows], dtype=torch.float32, device=device)
-        sub = x if len(p_rows) == rows_total else x[idx]
         known = None
         if top_kept is not None and set(p_rows) <= set(k_rows):
             where = {j: n for n, j in enumerate(k_rows)}
             known = top_kept[torch.tensor([where[j] for j in p_rows], dtype=torch.long, device=device)]
-        cutoff = _top_p_cutoff(sub, top_p, min(TOP_P_CANDIDATES, vocab), known)
-        sub.masked_fill_(sub < cutoff.unsqueeze(1), neg_inf)
-        if sub is not x:
-            x[idx] = sub
+        sub = x if len(p_rows) == rows else x[idx]
+        # Rows that min_p or top_k filter first measure top_p's mass over what those keep. Which
+        # rows do is decided by their own params, so a row's arithmetic never depends on the batch.
+        floored = [params[j].min_p > 0 or 0 < params[j].top_k < vocab for j in p_rows]
+        earlier = threshold[idx]
+        cutoff = _top_p_cutoff(sub, top_p, earlier, floored, min(TOP_P_CANDIDATES, vocab), known)
+        threshold[idx] = torch.maximum(earlier, cutoff)
+        filtered = True
 
-    return x.sub_(x.amax(dim=1, keepdim=True)).exp_()
+    if filtered:
+        keep = torch.ge(x, threshold.unsqueeze(1), out=keep_buffer())  # 1.0 where kept, else 0.0
+    x.sub_(row_max.unsqueeze(1)).exp_()
+    if filtered:
+        x.mul_(keep)
+    return x
 
 
 def _top_p_cutoff(
-    x: torch.Tensor, top_p: torch.Tensor, candidates: int, known: torch.Tensor | None = None
+    x: torch.Tensor,
+    top_p: torch.Tensor,
+    earlier: torch.Tensor,
+    floored: list[bool],
+    candidates: int,
+    known: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per row, the smallest logit top_p keeps: that of the last token (in descending order) whose
-    preceding mass is still below top_p.
+    preceding mass is still below top_p. In `floored` rows the mass counts only tokens with
+    logit >= `earlier` (the threshold of the filters before top_p).
 
     Looks at the largest `candidates` logits first (or at `known`, the largest logits already at
     hand, sorted); rows whose cut may lie beyond them are redone over the whole sorted row.
     """
     vocab = x.shape[1]
     values = known if known is not None else x.topk(candidates, dim=1).values
-    log_total = _row_logsumexp(x).unsqueeze(1)
+    values = values.masked_fill(values < earlier.unsqueeze(1), float("-inf"))  # -inf earlier: no-op
+    log_total = _row_logsumexp(x, earlier, floored).unsqueeze(1)
     probs = torch.exp(values - log_total)
     cumulative = torch.cumsum(probs, dim=1)
     mass_before = torch.cat([torch.zeros_like(cumulative[:, :1]), cumulative[:, :-1]], dim=1)
@@ -449,16 +472,44 @@ def _top_p_cutoff(
         # down (the candidates' own mass is what decides, so this cannot depend on other rows).
         unsure = (n_keep >= values.shape[1]).nonzero().squeeze(1)
         if unsure.numel():
-            cutoff[unsure] = _top_p_cutoff(x[unsure], top_p[unsure], vocab)
+            again = [floored[j] for j in unsure.tolist()]
+            cutoff[unsure] = _top_p_cutoff(x[unsure], top_p[unsure], earlier[unsure], again, vocab)
     return cutoff
 
 
-def _row_logsumexp(x: torch.Tensor, rows_per_chunk: int = 16) -> torch.Tensor:
-    """torch.logsumexp over dim 1; on CPU a few rows at a time, so its temporary stays small
-    (a fresh [N, V] temporary above 32 MiB costs page faults on every call)."""
-    if x.device.type != "cpu" or x.shape[0] <= rows_per_chunk:
-        return torch.logsumexp(x, dim=1)
-    return torch.cat([torch.logsumexp(chunk, dim=1) for chunk in x.split(rows_per_chunk)])
+def _row_logsumexp(x: torch.Tensor, floor: torch.Tensor, floored: list[bool]) -> torch.Tensor:
+    """logsumexp over dim 1; in `floored` rows only over logits >= floor[row]."""
+    out = torch.empty(x.shape[0], dtype=x.dtype, device=x.device)
+    for use_floor in (False, True):
+        rows = [j for j, f in enumerate(floored) if f == use_floor]
+        if not rows:
+            continue
+        if len(rows) == x.shape[0]:
+            out = _chunked_logsumexp(x, floor if use_floor else None)
+        else:
+            idx = torch.tensor(rows, dtype=torch.long, device=x.device)
+            out[idx] = _chunked_logsumexp(x[idx], floor[idx] if use_floor else None)
+    return out
+
+
+def _chunked_logsumexp(x: torch.Tensor, at_least: torch.Tensor | None, rows_per_chunk: int = 16) -> torch.Tensor:
+    """logsumexp over dim 1, counting only logits >= at_least[row] when given.
+
+    A few rows at a time, so temporaries stay small (on CPU a fresh [N, V] temporary above 32 MiB
+    costs page faults on every call); the floor is a 0/1 float factor, not a masked_fill, which
+    is several times slower on CPU.
+    """
+    out = []
+    for start in range(0, x.shape[0], rows_per_chunk):
+        chunk = x[start : start + rows_per_chunk]
+        if at_least is None:
+            out.append(torch.logsumexp(chunk, dim=1))
+            continue
+        floor = at_least[start : start + rows_per_chunk].unsqueeze(1)
+        top = chunk.amax(dim=1, keepdim=True)
+        weights = (chunk - top).exp_().mul_(torch.ge(chunk, floor).to(chunk.dtype))
+        out.append((weights.sum(dim=1, keepdim=True).log_() + top).squeeze(1))
+    return torch.cat(out)
 
 
 def _inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
