@@ -18,6 +18,7 @@ class EngineSettings:
     attention_backend: str = "auto"
     block_size: int = 16
     kv_cache_gb: float | None = None
+    gpu_memory_fraction: float = 0.85
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     max_model_len: int | None = None

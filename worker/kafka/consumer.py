@@ -156,6 +156,7 @@ class KafkaWorker:
                 attention_backend=e.attention_backend,
                 block_size=e.block_size,
                 kv_cache_gb=e.kv_cache_gb,
+                gpu_memory_fraction=e.gpu_memory_fraction,
                 max_num_batched_tokens=e.max_num_batched_tokens,
                 max_num_seqs=e.max_num_seqs,
                 max_model_len=e.max_model_len,

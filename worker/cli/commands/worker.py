@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from worker.cli.engine_options import add_engine_options, engine_kwargs
+
 
 def _positive_int(text: str) -> int:
     value = int(text)
@@ -60,19 +62,7 @@ def register(subparsers) -> None:
                    help="pause fetching above this many waiting requests (default 2 x --max-num-seqs)")
     d.add_argument("--backpressure-kv-high", type=float, default=0.95, help="pause fetching above this KV usage")
 
-    e = p.add_argument_group("Engine")
-    e.add_argument("--model", required=True, help="checkpoint folder or s3://bucket/prefix/")
-    e.add_argument("--served-model-name", default=None, help="name jobs' `model` field must match")
-    e.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
-    e.add_argument("--device", default="auto")
-    e.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "torch"])
-    e.add_argument("--block-size", type=_positive_int, default=16)
-    e.add_argument("--kv-cache-gb", type=float, default=None)
-    e.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048)
-    e.add_argument("--max-num-seqs", type=_positive_int, default=256)
-    e.add_argument("--max-model-len", type=_positive_int, default=None)
-    e.add_argument("--no-prefix-caching", action="store_true")
-    e.add_argument("--seed", type=int, default=0)
+    add_engine_options(p, model_required=True)
 
     o = p.add_argument_group("Operations")
     o.add_argument("--metrics-port", type=int, default=None,
@@ -101,20 +91,7 @@ def settings_from_args(args):
     from worker.kafka.backpressure import BackpressurePolicy
     from worker.kafka.security import KafkaSecurity, read_secret
 
-    engine = EngineSettings(
-        model=args.model,
-        dtype=args.dtype,
-        device=args.device,
-        attention_backend=args.attention_backend,
-        block_size=args.block_size,
-        kv_cache_gb=args.kv_cache_gb,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len,
-        enable_prefix_caching=not args.no_prefix_caching,
-        served_model_name=args.served_model_name,
-        seed=args.seed,
-    )
+    engine = EngineSettings(model=args.model, **engine_kwargs(args))
     waiting_high = args.backpressure_waiting_high or 2 * args.max_num_seqs
     kv_high = args.backpressure_kv_high
     backpressure = BackpressurePolicy(

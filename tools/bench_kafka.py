@@ -1,0 +1,208 @@
+"""`kafka` benchmark: the `mixed` workload through a real broker and a worker, vs the engine alone.
+
+Both sides run in this process, one after the other, on identically configured and warmed-up
+engines over the same requests (`tools/bench.py`'s `mixed` workload, sent as `prompt_token_ids`
+jobs with greedy sampling and ignore_eos). The Kafka side:
+
+- the jobs are produced to a fresh jobs topic before the clock starts;
+- a KafkaWorker (the same code as `tokenmill worker`, at-least-once, acks=all, commits after
+  acknowledged Results) runs in-process on its own engine thread;
+- the clock runs from the first job fetched to the moment the last Result was acknowledged by
+  the broker (so model loading and the consumer group join are excluded, as loading is for the
+  engine alone);
+- afterwards a reader checks that every job has an ok Result with the requested token count.
+
+ratio = Kafka output tok/s / engine-alone output tok/s (goal >= 0.90): what the delivery layer
+costs. A broker is started for the run (a throw-away data directory) unless one is given.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+
+def _jobs(work) -> list[bytes]:
+    return [
+        json.dumps({
+            "job_id": f"bench-{i:05d}",
+            "prompt_token_ids": p,
+            "sampling": {"max_tokens": n, "temperature": 0.0, "ignore_eos": True},
+        }).encode()
+        for i, (p, n) in enumerate(zip(work.prompts, work.max_tokens))
+    ]
+
+
+async def _through_kafka(bootstrap: str, model_dir: Path, work, engine_options: dict[str, Any]) -> dict[str, Any]:
+    from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+
+    from tools.bench import Workload, _engine_requests
+    from worker.config import EngineSettings, WorkerSettings
+    from worker.engine import Engine, EngineConfig
+    from worker.kafka.admin import create_topic
+    from worker.kafka.consumer import KafkaWorker
+
+    tag = os.urandom(4).hex()
+    topics = {name: f"bench-{name}-{tag}" for name in ("jobs", "results", "tokens", "dlq")}
+    for name in topics.values():
+        await create_topic(bootstrap, name, 1)
+
+    engine = Engine(EngineConfig(model=str(model_dir), **engine_options))
+    warm = Workload("warm", [[1] * 40, [2] * 20], [4, 4])  # the same warm-up as the engine-alone run
+    engine.generate(_engine_requests(warm, "warm"))
+
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", enable_idempotence=True, linger_ms=5,
+                                max_request_size=8 << 20)
+    await producer.start()
+    try:
+        futures = [await producer.send(topics["jobs"], value=v, key=f"bench-{i:05d}".encode())
+                   for i, v in enumerate(_jobs(work))]
+        for f in futures:
+            await f
+    finally:
+        await producer.stop()
+
+    settings = WorkerSettings(
+        bootstrap_servers=bootstrap,
+        engine=EngineSettings(model=str(model_dir)),
+        group_id=f"bench-{tag}", jobs_topic=topics["jobs"], results_topic=topics["results"],
+        tokens_topic=topics["tokens"], dlq_topic=topics["dlq"], commit_interval_s=0.5,
+    )
+    worker = KafkaWorker(settings, engine=engine)
+    task = asyncio.create_task(worker.run(install_signal_handlers=False))
+    n = len(work.prompts)
+    t_first = t_last = None
+    deadline = time.monotonic() + 3600
+    while time.monotonic() < deadline:
+        if task.done():
+            raise RuntimeError(f"the worker stopped early: {worker._fatal or task.result()}")
+        if t_first is None and worker.metrics.jobs_in._value.get() > 0:
+            t_first = time.perf_counter()
+        done = worker.metrics.jobs_ok._value.get() + sum(
+            s.value for m in worker.metrics.jobs_error.collect() for s in m.samples if s.name.endswith("_total"))
+        if done >= n:
+            t_last = time.perf_counter()
+            break
+        await asyncio.sleep(0.02)
+    worker.request_stop("bench done")
+    code = await task
+    if t_last is None or code != 0:
+        raise RuntimeError(f"the Kafka run did not finish (exit code {code})")
+
+    reader = AIOKafkaConsumer(topics["results"], bootstrap_servers=bootstrap, auto_offset_reset="earliest",
+                              enable_auto_commit=False, fetch_max_bytes=64 << 20)
+    await reader.start()
+    results: dict[str, dict] = {}
+    try:
+        end = time.monotonic() + 60
+        while len(results) < n and time.monotonic() < end:
+            for recs in (await reader.getmany(timeout_ms=500)).values():
+                for r in recs:
+                    res = json.loads(r.value)
+                    results[res["job_id"]] = res
+    finally:
+        await reader.stop()
+    want = {f"bench-{i:05d}": m for i, m in enumerate(work.max_tokens)}
+    bad = [j for j, m in want.items() if j not in results or results[j]["status"] != "ok"
+           or len(results[j]["token_ids"]) != m]
+    if bad:
+        raise RuntimeError(f"{len(bad)} jobs without a complete ok Result, e.g. {bad[:3]}")
+    wall = t_last - t_first
+    thread = worker._engine_thread
+    steps, step_s = thread.steps, thread.step_seconds
+    del engine, worker
+    gc.collect()
+    return {"wall_s": wall, "output_tokens": work.output_tokens, "output_tok_s": work.output_tokens / wall,
+            "engine_steps": steps, "engine_step_s": step_s}
+
+
+def run_kafka_bench(
+    model: str,
+    *,
+    num_requests: int | None = None,
+    seed: int = 0,
+    engine_options: dict[str, Any] | None = None,
+    bootstrap: str | None = None,
+) -> dict[str, Any]:
+    """The `kafka` workload: returns a report dict (see the module docstring)."""
+    from tools.bench import mixed_workload, resolve_model, run_engine
+    from worker.engine.model_config import load_model_config
+
+    model_dir = resolve_model(model)
+    options = dict(engine_options or {})
+    options.pop("served_model_name", None)
+    mc = load_model_config(model_dir)
+    work = mixed_workload(mc.vocab_size, num_requests or 256, seed, set(mc.eos_token_ids))
+
+    broker = None
+    if bootstrap is None:
+        from worker.kafka.local_broker import LocalKafka, free_port
+
+        broker = LocalKafka(port=free_port(), data_dir=Path(tempfile.mkdtemp(prefix="tokenmill-bench-kafka-")),
+                            controller_port=free_port())
+        broker.start(timeout=180, owner_pid=os.getpid(), auto_create_topics=False)
+        bootstrap = broker.bootstrap
+    try:
+        # Engine alone before and after the Kafka run (the broker idles meanwhile), so a change
+        # of background load on a shared machine shows up in the baseline, not only on one side.
+        before = run_engine(model_dir, work, options)
+        kafka = asyncio.run(_through_kafka(bootstrap, model_dir, work, options))
+        after = run_engine(model_dir, work, options)
+    finally:
+        if broker is not None:
+            broker.stop(timeout=30)
+    alone_tok_s = (before.output_tok_s + after.output_tok_s) / 2
+    return {
+        "workload": "kafka",
+        "model": model,
+        "requests": len(work.prompts),
+        "engine_output_tok_s": alone_tok_s,
+        "engine_output_tok_s_runs": [before.output_tok_s, after.output_tok_s],
+        "kafka_output_tok_s": kafka["output_tok_s"],
+        "baseline": "the same engine alone, same workload (mixed), same process; mean of a run before and after",
+        "baseline_output_tok_s": alone_tok_s,
+        "ratio": kafka["output_tok_s"] / alone_tok_s if alone_tok_s else 0.0,
+        "engine_wall_s": (before.wall_s + after.wall_s) / 2,
+        "kafka_wall_s": kafka["wall_s"],
+        "engine_steps": before.steps,
+        "kafka_engine_steps": kafka["engine_steps"],
+        "kafka_engine_step_s": kafka["engine_step_s"],
+        "output_tokens": work.output_tokens,
+        "prompt_tokens": work.prompt_tokens,
+        "engine_options": options,
+    }
+
+
+def format_kafka_table(report: dict[str, Any]) -> str:
+    rows = [
+        ("workload", "kafka (mixed through broker + worker)"),
+        ("model", report["model"]),
+        ("requests", report["requests"]),
+        ("engine alone output tok/s", f"{report['engine_output_tok_s']:.1f}  (mean of "
+                                       + " and ".join(f"{x:.1f}" for x in report["engine_output_tok_s_runs"]) + ")"),
+        ("through Kafka output tok/s", f"{report['kafka_output_tok_s']:.1f}  ({report['kafka_wall_s']:.1f} s)"),
+        ("ratio (goal >= 0.90)", f"{report['ratio']:.3f}"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+if __name__ == "__main__":  # pragma: no cover - `python -m tools.bench_kafka [MODEL] [REQUESTS]`
+    import sys
+
+    import torch
+
+    torch.set_num_threads(1)
+    from worker.logging import configure_logging
+
+    configure_logging("WARNING")
+    rep = run_kafka_bench(sys.argv[1] if len(sys.argv) > 1 else "tiny-llama",
+                          num_requests=int(sys.argv[2]) if len(sys.argv) > 2 else None)
+    print(format_kafka_table(rep))
+    print(json.dumps(rep))
