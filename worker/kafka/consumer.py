@@ -469,7 +469,7 @@ class KafkaWorker:
             self._spawn_answer(tp, epoch, rec.offset, [answers.result_record(result, self.s.results_topic)], log,
                                outcome=("expired", None))
             return True
-        job_state = InFlightJob(tp, epoch, rec.offset, rec.key, rec.value, job, attempt, log)
+        job_state = InFlightJob(tp, epoch, rec.offset, rec.key, rec.value, job, attempt, log.bind(attempt=attempt))
         self._jobs[job_state.request_id] = job_state
         if self.tenants.admit(job.tenant, job_state):
             self._submit(job_state)
