@@ -122,3 +122,23 @@ def test_half_precision_is_close_to_fp32(tiny_llama_dir, dtype):
     b = half.compute_logits(run_step(half, PagedKV.for_model(cfg), [("x", ids)])[0])
     assert b.dtype == torch.float32
     assert (a - b).abs().max() < 0.05 * a.abs().max()
+
+
+def test_fused_triton_layer_ops_match_transformers(models, tiny_model_dir):
+    """The CUDA layer path (fused RMSNorm+residual, in-place rotary, SiLU-and-mul Triton kernels), run
+    here under the Triton interpreter: same logits as transformers, prefill then decode."""
+    _, cfg, ref = models
+    fused, _ = load_model(tiny_model_dir, attention_backend=TorchAttentionBackend(), layer_ops="triton")
+    assert fused.ops.name == "triton"
+    ids = prompt(cfg, 11, seed=21)
+    expected = reference_logits(ref, ids)
+    kv = PagedKV.for_model(cfg, num_blocks=8, block_size=4, seed=22)
+    (hidden,) = run_step(fused, kv, [("f", ids[:10])])
+    torch.testing.assert_close(fused.compute_logits(hidden), expected[:10], atol=ATOL, rtol=0)
+    (hidden,) = run_step(fused, kv, [("f", ids[10:])])
+    torch.testing.assert_close(fused.compute_logits(hidden), expected[10:], atol=ATOL, rtol=0)
+
+
+def test_unknown_layer_ops_is_an_error(tiny_llama_dir):
+    with pytest.raises(ValueError, match="unknown layer ops 'fast'"):
+        load_model(tiny_llama_dir, attention_backend=TorchAttentionBackend(), layer_ops="fast")

@@ -88,10 +88,13 @@ def load_model(
     dtype: str | torch.dtype = "auto",
     device: str | torch.device = "cpu",
     attention_backend: AttentionBackend,
+    layer_ops: str = "auto",
 ) -> tuple[torch.nn.Module, ModelConfig]:
     """Build our model for the checkpoint at `path` and load its weights.
 
     dtype: "auto" (the checkpoint's dtype on CUDA, float32 elsewhere), "float32", "bfloat16", "float16".
+    layer_ops: "auto" (fused Triton kernels for norm/rotary/SiLU on CUDA, torch elsewhere), "torch",
+    "triton" (on a CPU only under the Triton interpreter, for tests).
     """
     model_dir = Path(path)
     device = torch.device(device)
@@ -104,7 +107,7 @@ def load_model(
     if device.type == "cpu":
         keep_freed_memory_for_reuse()
 
-    model = MODEL_CLASSES[cfg.architecture](cfg, attention_backend, device)
+    model = MODEL_CLASSES[cfg.architecture](cfg, attention_backend, device, layer_ops=layer_ops)
     needed = model.checkpoint_tensor_names()
     missing = [n for n in needed if n not in where]
     if missing:

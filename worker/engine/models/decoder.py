@@ -18,8 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker.engine.attention import AttentionBackend, AttentionMetadata
-from worker.engine.layers import RotaryEmbedding, apply_rotary, rms_norm, silu_and_mul
+from worker.engine.layers import RotaryEmbedding, rms_norm
 from worker.engine.model_config import CheckpointError, ModelConfig
+from worker.engine.models.ops import RopeInputs, TorchOps, TritonOps, make_ops
 
 
 def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -51,28 +52,25 @@ class DecoderLayer(nn.Module):
         self,
         hidden: torch.Tensor,
         residual: torch.Tensor | None,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rope: RopeInputs,
         meta: AttentionMetadata,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         backend: AttentionBackend,
+        ops: TorchOps | TritonOps,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        residual = hidden if residual is None else hidden + residual
-        x = rms_norm(residual, self.input_norm, self.eps)
-        x = self._attention(x, cos, sin, meta, kv_cache, backend)
-        residual = x + residual
-        x = rms_norm(residual, self.post_attention_norm, self.eps)
-        x = F.linear(silu_and_mul(F.linear(x, self.gate_up_weight)), self.down_weight)
+        x, residual = ops.add_rms_norm(hidden, residual, self.input_norm, self.eps)
+        x = self._attention(x, rope, meta, kv_cache, backend, ops)
+        x, residual = ops.add_rms_norm(x, residual, self.post_attention_norm, self.eps)
+        x = F.linear(ops.silu_and_mul(F.linear(x, self.gate_up_weight)), self.down_weight)
         return x, residual
 
-    def _attention(self, x, cos, sin, meta, kv_cache, backend) -> torch.Tensor:
+    def _attention(self, x, rope, meta, kv_cache, backend, ops) -> torch.Tensor:
         t = x.shape[0]
         qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
         qk = qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
         if self.qk_norm is not None:
             qk = rms_norm(qk, self.qk_norm, self.eps)
-        q = apply_rotary(qk[:, : self.num_heads], cos, sin)
-        k = apply_rotary(qk[:, self.num_heads :], cos, sin)
+        q, k = ops.rotary_qk(rope, qk[:, : self.num_heads], qk[:, self.num_heads :])
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         key_cache, value_cache = kv_cache
         backend.write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
@@ -83,7 +81,9 @@ class DecoderLayer(nn.Module):
 class DecoderForCausalLM(nn.Module):
     """model(input_ids[T], positions[T], meta, kv_caches) -> hidden [T, hidden_size]."""
 
-    def __init__(self, cfg: ModelConfig, attention_backend: AttentionBackend, device: torch.device | str = "cpu"):
+    def __init__(self, cfg: ModelConfig, attention_backend: AttentionBackend, device: torch.device | str = "cpu",
+                 layer_ops: str = "auto"):
+        """layer_ops: "auto" (fused Triton kernels on CUDA, torch elsewhere), "torch" or "triton"."""
         super().__init__()
         device = torch.device(device)
         self.config = cfg
@@ -96,6 +96,7 @@ class DecoderForCausalLM(nn.Module):
             self.embed_tokens if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size, dtype=dt, device=device)
         )
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope, cfg.max_model_len, device)
+        self.ops = make_ops(layer_ops, self.rotary, cfg.max_model_len, device)
 
     @torch.inference_mode()
     def forward(
@@ -108,11 +109,11 @@ class DecoderForCausalLM(nn.Module):
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"got {len(kv_caches)} KV cache pairs for {len(self.layers)} layers")
         hidden = F.embedding(input_ids, self.embed_tokens)
-        cos, sin = self.rotary.cos_sin(positions, self.config.dtype)
+        rope = self.ops.rope_inputs(positions, self.config.dtype)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(hidden, residual, cos, sin, meta, kv_cache, self.attention_backend)
-        return rms_norm(hidden + residual, self.norm, self.config.rms_norm_eps)
+            hidden, residual = layer(hidden, residual, rope, meta, kv_cache, self.attention_backend, self.ops)
+        return self.ops.add_rms_norm(hidden, residual, self.norm, self.config.rms_norm_eps)[0]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,96 @@
+"""The per-token layer operations of the decoder, in two implementations with one interface.
+
+- TorchOps: plain torch with the reference's rounding points (the CPU path; exact parity with
+  transformers in float32).
+- TritonOps: the project's fused Triton kernels (kernels/): RMSNorm with the residual add fused,
+  rotary in place on the fused QKV output, SiLU-and-mul in one pass. Used on CUDA, where each saved
+  launch and memory round trip counts; on a CPU it only runs under the Triton interpreter (tests).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from worker.engine.layers import RotaryEmbedding, apply_rotary, rms_norm, silu_and_mul
+
+
+@dataclass
+class RopeInputs:
+    """Rotary inputs of one forward, shared by all layers."""
+
+    positions: torch.Tensor
+    cos: torch.Tensor | None = None  # torch path: [T, 1, head_dim // 2]
+    sin: torch.Tensor | None = None
+
+
+class TorchOps:
+    name = "torch"
+
+    def __init__(self, rotary: RotaryEmbedding):
+        self.rotary = rotary
+
+    def rope_inputs(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeInputs:
+        cos, sin = self.rotary.cos_sin(positions, dtype)
+        return RopeInputs(positions, cos, sin)
+
+    def add_rms_norm(self, x, residual, weight, eps):
+        """(rms_norm(x + residual) * weight, x + residual); residual None means x alone."""
+        residual = x if residual is None else x + residual
+        return rms_norm(residual, weight, eps), residual
+
+    def rotary_qk(self, rope: RopeInputs, q: torch.Tensor, k: torch.Tensor):
+        """Rotated (q, k); inputs may be strided views, outputs are new contiguous tensors."""
+        return apply_rotary(q, rope.cos, rope.sin), apply_rotary(k, rope.cos, rope.sin)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return silu_and_mul(x)
+
+
+class TritonOps:
+    name = "triton"
+
+    def __init__(self, rotary: RotaryEmbedding, max_positions: int):
+        from kernels.rmsnorm import rms_norm as fused_rms_norm
+        from kernels.rotary import rope_cos_sin_cache, rotary_embedding
+        from kernels.silu_mul import silu_mul
+
+        self._rms_norm = fused_rms_norm
+        self._rotary = rotary_embedding
+        self._silu_mul = silu_mul
+        # [max_positions, head_dim] float32: cos | sin, the same values as the torch table.
+        self.cos_sin_cache = rope_cos_sin_cache(rotary.inv_freq, max_positions)
+
+    def rope_inputs(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeInputs:
+        return RopeInputs(positions)
+
+    def add_rms_norm(self, x, residual, weight, eps):
+        if residual is None:
+            return self._rms_norm(x, weight, eps), x
+        return self._rms_norm(x, weight, eps, residual=residual)
+
+    def rotary_qk(self, rope: RopeInputs, q: torch.Tensor, k: torch.Tensor):
+        return self._rotary(rope.positions, q, k, self.cos_sin_cache)  # in place on the views
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return self._silu_mul(x)
+
+
+def make_ops(kind: str, rotary: RotaryEmbedding, max_positions: int, device: torch.device):
+    """kind: "auto" (Triton kernels on CUDA when importable, else torch), "torch" or "triton"."""
+    if kind == "auto":
+        if device.type != "cuda":
+            return TorchOps(rotary)
+        try:
+            return TritonOps(rotary, max_positions)
+        except ImportError:
+            return TorchOps(rotary)
+    if kind == "torch":
+        return TorchOps(rotary)
+    if kind == "triton":
+        try:
+            return TritonOps(rotary, max_positions)
+        except ImportError as exc:
+            raise ValueError(f"fused Triton layer ops are not available: {exc}") from exc
+    raise ValueError(f"unknown layer ops {kind!r}; choose auto, torch or triton")
