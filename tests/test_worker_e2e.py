@@ -33,6 +33,17 @@ def engine(tiny_llama_dir):
                                kv_cache_gb=0.05, max_model_len=MAX_MODEL_LEN))
 
 
+def _http(port, path):
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
 def _stream_events(records) -> dict[str, list[dict]]:
     out: dict[str, list[dict]] = {}
     for r in records:
@@ -53,7 +64,12 @@ async def test_end_to_end_200_jobs_exactly_one_ok_result_each(kafka_bootstrap, t
         records = await read_topic(kafka_bootstrap, topics.results, count_unique_jobs(200), timeout=120)
         await asyncio.sleep(1.0)  # a late duplicate would show up here
         records = await read_topic(kafka_bootstrap, topics.results, lambda r: False, timeout=1.5)
-        assert w.metrics.jobs_ok._value.get() == 200
+        metrics, ready = await asyncio.to_thread(_http, w.metrics_port, "/metrics"), await asyncio.to_thread(
+            _http, w.metrics_port, "/readyz")
+        assert ready == (200, "ok\n")
+        assert "tokenmill_jobs_ok_total 200.0" in metrics[1] and "tokenmill_jobs_in_total 200.0" in metrics[1]
+        assert f'tokenmill_commit_lag{{partition="0",topic="{topics.jobs}"}} 0.0' in metrics[1]
+        assert "tokenmill_ttft_ms_count 200.0" in metrics[1]
     assert task.result() == 0
     results = results_by_job(records)
     assert sorted(results) == sorted(j["job_id"] for j in jobs)
@@ -211,3 +227,14 @@ async def test_tenant_cap_limits_concurrent_jobs_of_a_tenant(kafka_bootstrap, ti
     results = results_by_job(records)
     assert len(results) == 40 and all(r[0]["status"] == "ok" for r in results.values())
     assert peak == {"a": 2, "b": 2}
+
+
+async def test_kafka_bench_runs_end_to_end(kafka_bootstrap, tiny_llama_dir):
+    """The `kafka` bench on a handful of requests: it checks every Result itself and reports."""
+    from tools.bench_kafka import run_kafka_bench
+
+    report = await asyncio.to_thread(run_kafka_bench, str(tiny_llama_dir), num_requests=6,
+                                     bootstrap=kafka_bootstrap, engine_options={"kv_cache_gb": 0.05})
+    assert report["workload"] == "kafka" and report["requests"] == 6
+    assert report["kafka_output_tok_s"] > 0 and report["engine_output_tok_s"] > 0
+    assert report["ratio"] == pytest.approx(report["kafka_output_tok_s"] / report["engine_output_tok_s"])
