@@ -32,7 +32,7 @@ def smollm2_gguf_path() -> Path:
         raise FileNotFoundError(f"the SmolLM2 model comes from the PyPI package {PACKAGE}: {PIP_COMMAND}") from None
     for file in dist.files or []:
         if str(file).endswith(".gguf"):
-            path = Path(dist.locate_file(file))
+            path = Path(str(dist.locate_file(file)))
             if path.is_file():
                 return path
     raise FileNotFoundError(f"package {PACKAGE} is installed but holds no .gguf file; reinstall: {PIP_COMMAND}")

@@ -45,6 +45,8 @@ def rope_inverse_frequencies(head_dim: int, rope: RopeConfig) -> torch.Tensor:
         return inv_freq
     # Llama 3.1: long wavelengths are slowed down by `factor`, short ones kept, the band between blended.
     old_len = rope.original_max_position_embeddings
+    if old_len is None:
+        raise ValueError("llama3 rope scaling needs original_max_position_embeddings")
     low_wavelen = old_len / rope.low_freq_factor
     high_wavelen = old_len / rope.high_freq_factor
     wavelen = 2 * math.pi / inv_freq
@@ -67,6 +69,7 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         device = torch.device(device)
         self.head_dim = head_dim
+        self.inv_freq: torch.Tensor
         self.register_buffer("inv_freq", rope_inverse_frequencies(head_dim, rope).to(device), persistent=False)
         self._cos = torch.empty(0, head_dim // 2, device=device)
         self._sin = torch.empty(0, head_dim // 2, device=device)

@@ -63,6 +63,7 @@ def encode_request(
         if isinstance(ids, dict) or hasattr(ids, "keys"):  # BatchEncoding in some transformers versions
             ids = ids["input_ids"]
     else:
+        assert prompt_token_ids is not None
         ids = list(prompt_token_ids)
         vocab = len(tokenizer)
         bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]

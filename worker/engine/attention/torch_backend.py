@@ -255,8 +255,8 @@ def build_plan(meta: AttentionMetadata, block_size: int, num_kv_heads: int = 1,
         first_blocks = _blocks_for(seq_lens[decode_rows[i]], block_size)
         j = i + 1
         while j < len(decode_rows):
-            blocks = _blocks_for(seq_lens[decode_rows[j]], block_size)
-            if j - i >= _MIN_BUCKET_ROWS and blocks > first_blocks * _BUCKET_GROWTH:
+            row_blocks = _blocks_for(seq_lens[decode_rows[j]], block_size)
+            if j - i >= _MIN_BUCKET_ROWS and row_blocks > first_blocks * _BUCKET_GROWTH:
                 break
             j += 1
         if 0 < len(decode_rows) - j < _MIN_BUCKET_ROWS:  # do not leave a tiny last bucket

@@ -155,7 +155,8 @@ class DecoderForCausalLM(nn.Module):
         index = int(parts[2])
         if index >= len(self.layers):
             raise KeyError(name)
-        layer: DecoderLayer = self.layers[index]
+        layer = self.layers[index]
+        assert isinstance(layer, DecoderLayer)
         rest = ".".join(parts[3:])
         q, kv, inter = cfg.q_size, cfg.kv_size, cfg.intermediate_size
         h, hk = cfg.num_heads, cfg.num_kv_heads

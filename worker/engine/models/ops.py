@@ -42,6 +42,7 @@ class TorchOps:
 
     def rotary_qk(self, rope: RopeInputs, q: torch.Tensor, k: torch.Tensor):
         """Rotated (q, k); inputs may be strided views, outputs are new contiguous tensors."""
+        assert rope.cos is not None and rope.sin is not None  # set by rope_inputs
         return apply_rotary(q, rope.cos, rope.sin), apply_rotary(k, rope.cos, rope.sin)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
