@@ -436,3 +436,42 @@ def test_greedy_argmax_equals_torch_argmax_including_ties(vocab):
     assert torch.equal(greedy_argmax(x), x.argmax(dim=1))
     y = torch.randn(7, vocab, generator=g)
     assert torch.equal(greedy_argmax(y), y.argmax(dim=1))
+
+
+@pytest.mark.parametrize("trial", range(12))
+def test_random_mixes_match_reference_alone_and_batched(trial):
+    """Random params per row, vocabularies past the top_p candidates, tie-heavy logits."""
+    rng = random.Random(trial)
+    vocab = rng.choice([64, 300, 700])
+    n = rng.randrange(1, 10)
+    logits = random_logits(n, seed=trial, vocab=vocab) * rng.choice([0.1, 0.33, 1.0])
+    if trial % 3 == 0:
+        logits = (logits * 2).round() / 2
+    inputs = []
+    for _ in range(n):
+        kw = dict(temperature=rng.choice([0.0, 0.5, 1.0, 1.5]), seed=rng.randrange(1 << 30))
+        for name, choices in (
+            ("top_k", [1, 2, 5, 50, 400]), ("top_p", [0.1, 0.5, 0.9, 0.99]), ("min_p", [0.01, 0.1, 0.5]),
+            ("repetition_penalty", [0.8, 1.3]), ("presence_penalty", [-1.0, 1.0]), ("frequency_penalty", [-0.5, 0.7]),
+        ):
+            if rng.random() < 0.35:
+                kw[name] = rng.choice(choices)
+        if rng.random() < 0.3:
+            kw.update(min_tokens=5, stop_token_ids=[rng.randrange(vocab)], ignore_eos=rng.random() < 0.5)
+        inputs.append(
+            SamplingInputs(
+                SamplingParams(**kw),
+                [rng.randrange(vocab) for _ in range(rng.randrange(1, 20))],
+                [rng.randrange(vocab) for _ in range(rng.randrange(0, 10))],
+                [rng.randrange(vocab)],
+            )
+        )
+    sampler = Sampler()
+    dist = sampler.distribution(logits, inputs)
+    tokens = sampler(logits, inputs)
+    for i, inp in enumerate(inputs):
+        want = reference_distribution(logits[i], inp)
+        assert dist[i].tolist() == pytest.approx(want, abs=1e-5), i
+        assert [q > 0 for q in dist[i].tolist()] == [q > 0 for q in want], i
+        assert tokens[i].token_id == reference_draw(want, seeded_uniform(inp.params.seed, len(inp.output_token_ids)))
+        assert sampler(logits[i : i + 1], [inp])[0].token_id == tokens[i].token_id
