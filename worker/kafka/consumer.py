@@ -268,6 +268,8 @@ class KafkaWorker:
             self.consumer.pause(*assigned)
         deadline = time.monotonic() + self.s.drain_timeout_s
         while self.tracker.in_flight() and time.monotonic() < deadline:
+            if not self._engine_thread.alive:
+                break  # the engine failed: nothing in flight will finish
             self._progress.clear()
             try:
                 await asyncio.wait_for(self._progress.wait(), timeout=min(0.5, max(0.01, deadline - time.monotonic())))
@@ -321,14 +323,15 @@ class KafkaWorker:
                 txn = PartitionTransactions(tp, self.s.group_id, self._new_txn_producer, self.log)
                 # Initialising the id aborts what a previous owner left open; only then is the
                 # committed offset final, so it is read afterwards.
-                await txn.start()
+                await self._retrying(txn.start, f"initialise transactions of partition {tp.partition}")
                 self._txns[tp] = txn
             # aiokafka may hand out records of a new assignment while this callback still runs;
             # those are skipped (the partition is not tracked yet), so the position is set here
             # explicitly: the committed offset, or the beginning when nothing was committed.
-            start = await self.consumer.committed(tp)
+            start = await self._retrying(lambda: self.consumer.committed(tp), "read the committed offset")
             if start is None:
-                start = (await self.consumer.beginning_offsets([tp]))[tp]
+                start = (await self._retrying(lambda: self.consumer.beginning_offsets([tp]),
+                                              "read the beginning offset"))[tp]
             starts[tp] = start
             self.consumer.seek(tp, start)
         # No await from here on: the epoch begins atomically with respect to the poll task.
@@ -340,6 +343,18 @@ class KafkaWorker:
         self.health.group_joined = True
         self.log.info("partitions assigned", partitions=sorted(tp.partition for tp in assigned),
                       epochs=list(epochs.values()), start_offsets={tp.partition: o for tp, o in starts.items()})
+
+    async def _retrying(self, call, what: str, attempts: int = 30):
+        """Await call() until it succeeds; Kafka errors (a broker away) are retried with backoff."""
+        for attempt in range(1, attempts + 1):
+            try:
+                return await call()
+            except KafkaError as exc:
+                if attempt == attempts:
+                    self._fail(f"cannot {what}: {exc!r}")
+                    raise
+                self.log.warning(f"cannot {what} yet; retrying", error=repr(exc), attempt=attempt)
+                await asyncio.sleep(min(5.0, 0.2 * 2**attempt))
 
     async def _on_revoked(self, revoked: set[TopicPartition]) -> None:
         owned = {tp for tp in revoked if self.tracker.get(tp) is not None}
@@ -389,7 +404,12 @@ class KafkaWorker:
         consumer = self.consumer
         while True:
             self.health.tick()
-            batches = await consumer.getmany(timeout_ms=200, max_records=self.s.fetch_max_records)
+            try:
+                batches = await consumer.getmany(timeout_ms=200, max_records=self.s.fetch_max_records)
+            except KafkaError as exc:  # e.g. the broker is away: aiokafka reconnects by itself
+                self.log.warning("fetch failed; retrying", error=repr(exc))
+                await asyncio.sleep(1.0)
+                continue
             for tp, records in batches.items():
                 for i, rec in enumerate(records):
                     if not self._accept(tp, rec):
