@@ -261,8 +261,18 @@ class ByteTokenizer:
 
 _EMOJI = "🎉".encode()
 BYTE_PIECES = [bytes([b]) for b in range(256)] + [
-    b"ab" + _EMOJI[:2], _EMOJI[2:] + b"cd", b" caf\xc3", b"\xa9 ", "é".encode(), b"x" + _EMOJI[:1],
-    _EMOJI[1:], b"hello", b" world", "ü".encode()[:1], "ü".encode()[1:] + b"!", b"\xe2\x80",
+    b"ab" + _EMOJI[:2],
+    _EMOJI[2:] + b"cd",
+    b" caf\xc3",
+    b"\xa9 ",
+    "é".encode(),
+    b"x" + _EMOJI[:1],
+    _EMOJI[1:],
+    b"hello",
+    b" world",
+    "ü".encode()[:1],
+    "ü".encode()[1:] + b"!",
+    b"\xe2\x80",
 ]
 
 
@@ -344,15 +354,22 @@ def sentencepiece_style_tokenizer():
     tok.decoder = decoders.Sequence(
         [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
     )
-    trainer = trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False)
-    tok.train_from_iterator(["hello world this is a test of the model", "the batch worker writes results"] * 40, trainer)
+    trainer = trainers.BpeTrainer(
+        vocab_size=200, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False
+    )
+    tok.train_from_iterator(
+        ["hello world this is a test of the model", "the batch worker writes results"] * 40, trainer
+    )
     # Byte-fallback tokens are ordinary vocabulary entries, as in Llama 2.
     spec = json.loads(tok.to_str())
     vocab = spec["model"]["vocab"]
     for b in range(256):
         vocab.setdefault(f"<0x{b:02X}>", len(vocab))
     return PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer.from_str(json.dumps(spec)), bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+        tokenizer_object=Tokenizer.from_str(json.dumps(spec)),
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
     )
 
 

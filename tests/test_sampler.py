@@ -108,10 +108,19 @@ FIELD_CASES = {
     "frequency": dict(temperature=1.0, frequency_penalty=-0.8),
     "min_tokens": dict(temperature=1.0, min_tokens=50, stop_token_ids=[3, 9]),
     "min_tokens_ignore_eos": dict(temperature=1.0, min_tokens=50, stop_token_ids=[3], ignore_eos=True),
-    "greedy_penalised": dict(temperature=0.0, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.5),
+    "greedy_penalised": dict(
+        temperature=0.0, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.5
+    ),
     "all": dict(
-        temperature=0.9, top_k=12, top_p=0.8, min_p=0.05, repetition_penalty=1.2,
-        presence_penalty=0.3, frequency_penalty=0.4, min_tokens=10, stop_token_ids=[1],
+        temperature=0.9,
+        top_k=12,
+        top_p=0.8,
+        min_p=0.05,
+        repetition_penalty=1.2,
+        presence_penalty=0.3,
+        frequency_penalty=0.4,
+        min_tokens=10,
+        stop_token_ids=[1],
     ),
 }
 
@@ -140,7 +149,9 @@ def test_mixed_batch_matches_reference():
     logits = random_logits(n, seed=3)
     cases = list(FIELD_CASES.values())
     inputs = [
-        make_inputs(SamplingParams(seed=rng.randrange(1 << 40), **rng.choice(cases)), rng, n_out=rng.randrange(0, 20))
+        make_inputs(
+            SamplingParams(seed=rng.randrange(1 << 40), **rng.choice(cases)), rng, n_out=rng.randrange(0, 20)
+        )
         for _ in range(n)
     ]
     tokens = Sampler()(logits, inputs)
@@ -160,7 +171,9 @@ def test_greedy_fast_path_is_argmax_with_lowest_id_on_ties():
     assert Sampler._fast_path_ok(inputs)
     assert [t.token_id for t in Sampler()(logits, inputs)] == [4, 63, 0]
     # The general path agrees with the fast path.
-    with_logprobs = [SamplingInputs(SamplingParams(temperature=0.0, logprobs=0), [1], [], EOS) for _ in range(3)]
+    with_logprobs = [
+        SamplingInputs(SamplingParams(temperature=0.0, logprobs=0), [1], [], EOS) for _ in range(3)
+    ]
     assert not Sampler._fast_path_ok(with_logprobs)
     assert [t.token_id for t in Sampler()(logits, with_logprobs)] == [4, 63, 0]
 
@@ -247,7 +260,10 @@ def test_unseeded_rows_follow_the_engine_generator():
 def test_top_k_1_and_tiny_top_p_equal_greedy():
     rng = random.Random(1)
     logits = random_logits(32, seed=8)
-    greedy = [t.token_id for t in Sampler()(logits, [make_inputs(SamplingParams(temperature=0.0), rng) for _ in range(32)])]
+    greedy = [
+        t.token_id
+        for t in Sampler()(logits, [make_inputs(SamplingParams(temperature=0.0), rng) for _ in range(32)])
+    ]
     for params in (dict(top_k=1), dict(top_p=1e-6), dict(min_p=1.0)):
         inputs = [make_inputs(SamplingParams(temperature=1.3, **params), rng) for _ in range(32)]
         assert [t.token_id for t in Sampler()(logits, inputs)] == greedy, params
@@ -330,13 +346,20 @@ def test_logprobs_are_raw_model_logprobs():
     raw = torch.log_softmax(logits, dim=1)
     inputs = [
         make_inputs(SamplingParams(temperature=0.0, logprobs=3), rng),
-        make_inputs(SamplingParams(temperature=0.5, top_k=4, repetition_penalty=1.5, logprobs=5, seed=1), rng),
+        make_inputs(
+            SamplingParams(temperature=0.5, top_k=4, repetition_penalty=1.5, logprobs=5, seed=1), rng
+        ),
         make_inputs(SamplingParams(temperature=1.0, logprobs=0, seed=2), rng),
         make_inputs(SamplingParams(temperature=1.0, seed=3), rng),
-        make_inputs(SamplingParams(temperature=0.0, min_tokens=99, logprobs=20, stop_token_ids=[int(logits[4].argmax())]), rng),
+        make_inputs(
+            SamplingParams(
+                temperature=0.0, min_tokens=99, logprobs=20, stop_token_ids=[int(logits[4].argmax())]
+            ),
+            rng,
+        ),
     ]
     out = Sampler()(logits, inputs)
-    for i, (tok, inp) in enumerate(zip(out, inputs)):
+    for i, (tok, inp) in enumerate(zip(out, inputs, strict=True)):
         n = inp.params.logprobs
         if n is None:
             assert tok.logprob is None and tok.top_logprobs == []
@@ -369,7 +392,14 @@ def test_ties_at_the_top_k_and_top_p_boundary_are_kept():
     logits = torch.randint(-4, 5, (16, VOCAB), generator=g).float() * 0.5
     rng = random.Random(2)
     inputs = [
-        make_inputs(SamplingParams(temperature=1.0, seed=i, **rng.choice([dict(top_k=3), dict(top_p=0.3), dict(top_k=7, top_p=0.5)])), rng)
+        make_inputs(
+            SamplingParams(
+                temperature=1.0,
+                seed=i,
+                **rng.choice([dict(top_k=3), dict(top_p=0.3), dict(top_k=7, top_p=0.5)]),
+            ),
+            rng,
+        )
         for i in range(16)
     ]
     dist = Sampler().distribution(logits, inputs)
@@ -390,7 +420,10 @@ def test_top_p_candidate_search_and_full_sort_fallback_agree(monkeypatch, candid
     rng = random.Random(candidates)
     # Peaked rows (the cut falls among the first candidates) and flat rows (it does not).
     logits = torch.cat([random_logits(10, seed=1) * 4, random_logits(10, seed=2) * 0.1])
-    inputs = [make_inputs(SamplingParams(temperature=1.0, top_p=rng.choice([0.3, 0.7, 0.95]), seed=i), rng) for i in range(20)]
+    inputs = [
+        make_inputs(SamplingParams(temperature=1.0, top_p=rng.choice([0.3, 0.7, 0.95]), seed=i), rng)
+        for i in range(20)
+    ]
     dist = Sampler().distribution(logits, inputs)
     for i, inp in enumerate(inputs):
         assert dist[i].tolist() == pytest.approx(reference_distribution(logits[i], inp), abs=2e-6), i
@@ -399,7 +432,9 @@ def test_top_p_candidate_search_and_full_sort_fallback_agree(monkeypatch, candid
 def test_penalties_follow_a_growing_output_across_steps():
     """The engine hands the same SamplingInputs each step with its output list growing."""
     rng = random.Random(9)
-    params = SamplingParams(temperature=0.0, repetition_penalty=1.5, presence_penalty=0.7, frequency_penalty=0.9)
+    params = SamplingParams(
+        temperature=0.0, repetition_penalty=1.5, presence_penalty=0.7, frequency_penalty=0.9
+    )
     inp = SamplingInputs(params, [rng.randrange(VOCAB) for _ in range(10)], [], EOS)
     sampler = Sampler()
     for step in range(12):
@@ -415,7 +450,11 @@ def test_masked_token_stays_masked_under_penalties_that_would_raise_it():
     logits[0, 5] = 3.0  # EOS, also repeated in the output with a negative frequency penalty
     logits[0, 11] = 2.0
     params = SamplingParams(
-        temperature=0.0, min_tokens=10, stop_token_ids=[5, 5, 7], frequency_penalty=-2.0, repetition_penalty=0.5
+        temperature=0.0,
+        min_tokens=10,
+        stop_token_ids=[5, 5, 7],
+        frequency_penalty=-2.0,
+        repetition_penalty=0.5,
     )
     inp = SamplingInputs(params, [5, 11], [5, 5, 5], EOS)
     assert Sampler()(logits, [inp])[0].token_id == 11
@@ -451,8 +490,12 @@ def test_random_mixes_match_reference_alone_and_batched(trial):
     for _ in range(n):
         kw = dict(temperature=rng.choice([0.0, 0.5, 1.0, 1.5]), seed=rng.randrange(1 << 30))
         for name, choices in (
-            ("top_k", [1, 2, 5, 50, 400]), ("top_p", [0.1, 0.5, 0.9, 0.99]), ("min_p", [0.01, 0.1, 0.5]),
-            ("repetition_penalty", [0.8, 1.3]), ("presence_penalty", [-1.0, 1.0]), ("frequency_penalty", [-0.5, 0.7]),
+            ("top_k", [1, 2, 5, 50, 400]),
+            ("top_p", [0.1, 0.5, 0.9, 0.99]),
+            ("min_p", [0.01, 0.1, 0.5]),
+            ("repetition_penalty", [0.8, 1.3]),
+            ("presence_penalty", [-1.0, 1.0]),
+            ("frequency_penalty", [-0.5, 0.7]),
         ):
             if rng.random() < 0.35:
                 kw[name] = rng.choice(choices)
@@ -473,5 +516,7 @@ def test_random_mixes_match_reference_alone_and_batched(trial):
         want = reference_distribution(logits[i], inp)
         assert dist[i].tolist() == pytest.approx(want, abs=1e-5), i
         assert [q > 0 for q in dist[i].tolist()] == [q > 0 for q in want], i
-        assert tokens[i].token_id == reference_draw(want, seeded_uniform(inp.params.seed, len(inp.output_token_ids)))
+        assert tokens[i].token_id == reference_draw(
+            want, seeded_uniform(inp.params.seed, len(inp.output_token_ids))
+        )
         assert sampler(logits[i : i + 1], [inp])[0].token_id == tokens[i].token_id

@@ -42,14 +42,13 @@ PROMPT_CONTEXT_TOKENS = 6
 def make_decoder(tokenizer, skip_special_tokens: bool) -> Callable[[list[int]], str]:
     """ids -> text, without tokenisation-space clean-up; straight through the Rust `tokenizers`
     backend when the tokenizer has one (much less overhead per call than the Python wrapper)."""
-    try:
-        from tokenizers import Tokenizer as RustTokenizer
-    except ImportError:  # pragma: no cover - transformers always brings tokenizers
-        RustTokenizer = None
-    if RustTokenizer is not None:
-        backend = tokenizer if isinstance(tokenizer, RustTokenizer) else getattr(tokenizer, "backend_tokenizer", None)
-        if isinstance(backend, RustTokenizer):
-            return lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
+    from tokenizers import Tokenizer as RustTokenizer  # comes with transformers
+
+    backend = (
+        tokenizer if isinstance(tokenizer, RustTokenizer) else getattr(tokenizer, "backend_tokenizer", None)
+    )
+    if isinstance(backend, RustTokenizer):
+        return lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
     return lambda ids: tokenizer.decode(
         ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
     )
@@ -57,15 +56,12 @@ def make_decoder(tokenizer, skip_special_tokens: bool) -> Callable[[list[int]], 
 
 def find_first_stop(text: str, stop: Sequence[str]) -> int | None:
     """Start of the stop string that completes first in `text` (ties: earliest start), or None."""
-    best_end = best_start = None
+    best: tuple[int, int] | None = None  # (end, start): the smallest wins
     for s in stop:
         start = text.find(s)
-        if start < 0:
-            continue
-        end = start + len(s)
-        if best_end is None or end < best_end or (end == best_end and start < best_start):
-            best_end, best_start = end, start
-    return best_start
+        if start >= 0 and (best is None or (start + len(s), start) < best):
+            best = (start + len(s), start)
+    return None if best is None else best[1]
 
 
 def stop_prefix_len(text: str, stop: Sequence[str]) -> int:

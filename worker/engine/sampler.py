@@ -28,7 +28,6 @@ penalties, masks or logprobs is a single argmax.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -108,9 +107,7 @@ def is_greedy(params: SamplingParams) -> bool:
 
 def _has_penalties(params: SamplingParams) -> bool:
     return (
-        params.repetition_penalty != 1.0
-        or params.presence_penalty != 0.0
-        or params.frequency_penalty != 0.0
+        params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
     )
 
 
@@ -228,7 +225,9 @@ class Sampler:
                 flat[positions] = original
         return _Processed(greedy_rows, greedy_choice, random_rows, random, random_weights)
 
-    def _sample(self, processed: _Processed, inputs: Sequence[SamplingInputs], n: int, device) -> torch.Tensor:
+    def _sample(
+        self, processed: _Processed, inputs: Sequence[SamplingInputs], n: int, device
+    ) -> torch.Tensor:
         """Token id per row [N] (on the logits' device)."""
         token_ids = torch.empty(n, dtype=torch.long, device=device)
         if processed.greedy_choice is not None:
@@ -263,13 +262,16 @@ class Sampler:
         want = [i for i, inp in enumerate(inputs) if inp.params.logprobs is not None]
         if not want:
             return out
+        n_top = [inputs[i].params.logprobs or 0 for i in want]  # top-N per row (0: chosen only)
         device = raw_logits.device
         rows = torch.tensor(want, dtype=torch.long, device=device)
         # Raw logprob = logit - logsumexp(row). The rows are copied into the buffer (sampling is
         # done with it) and exponentiated there in place, so no [N, V] temporary is allocated.
-        x = torch.index_select(raw_logits, 0, rows, out=self._workspace(len(want), raw_logits.shape[1], device))
+        x = torch.index_select(
+            raw_logits, 0, rows, out=self._workspace(len(want), raw_logits.shape[1], device)
+        )
         chosen = x.gather(1, token_ids[rows].unsqueeze(1)).squeeze(1)
-        top_n = max(inputs[i].params.logprobs for i in want)
+        top_n = max(n_top)
         if top_n:
             top_vals, top_idx = x.topk(min(top_n, x.shape[1]), dim=1)
         row_max = x.amax(dim=1, keepdim=True)
@@ -281,9 +283,9 @@ class Sampler:
             top_vals_list = (top_vals - log_total.unsqueeze(1)).tolist()
             top_ids_list = top_idx.tolist()
         for j, i in enumerate(want):
-            n = inputs[i].params.logprobs
+            n = n_top[j]
             out[i].logprob = chosen_list[j]
-            out[i].top_logprobs = list(zip(top_ids_list[j][:n], top_vals_list[j][:n]))
+            out[i].top_logprobs = list(zip(top_ids_list[j][:n], top_vals_list[j][:n], strict=True))
         return out
 
 
@@ -299,7 +301,9 @@ class _Processed:
 
 def _check_ids(ids: torch.Tensor, vocab: int, what: str) -> None:
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
-        raise ValueError(f"{what} token ids must be in [0, {vocab}); got min {int(ids.min())}, max {int(ids.max())}")
+        raise ValueError(
+            f"{what} token ids must be in [0, {vocab}); got min {int(ids.min())}, max {int(ids.max())}"
+        )
 
 
 def _edits(logits: torch.Tensor, inputs: Sequence[SamplingInputs]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -356,11 +360,13 @@ def _edits(logits: torch.Tensor, inputs: Sequence[SamplingInputs]) -> list[tuple
         rows.extend([i] * len(blocked))
         cols.extend(blocked)
     if rows:
-        masked = torch.unique(torch.tensor(rows, dtype=torch.long) * vocab + torch.tensor(cols, dtype=torch.long))
+        masked = torch.unique(
+            torch.tensor(rows, dtype=torch.long) * vocab + torch.tensor(cols, dtype=torch.long)
+        )
         positions.append(masked.to(device))
         values.append(torch.full((masked.numel(),), float("-inf"), device=device))
 
-    return list(zip(positions, values))
+    return list(zip(positions, values, strict=True))
 
 
 def _ids_tensor(ids: Sequence[int], vocab: int, what: str) -> torch.Tensor:
@@ -492,7 +498,9 @@ def _row_logsumexp(x: torch.Tensor, floor: torch.Tensor, floored: list[bool]) ->
     return out
 
 
-def _chunked_logsumexp(x: torch.Tensor, at_least: torch.Tensor | None, rows_per_chunk: int = 16) -> torch.Tensor:
+def _chunked_logsumexp(
+    x: torch.Tensor, at_least: torch.Tensor | None, rows_per_chunk: int = 16
+) -> torch.Tensor:
     """logsumexp over dim 1, counting only logits >= at_least[row] when given.
 
     A few rows at a time, so temporaries stay small (on CPU a fresh [N, V] temporary above 32 MiB
