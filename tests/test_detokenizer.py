@@ -390,3 +390,64 @@ def test_sentencepiece_style_output_keeps_its_leading_space(sentencepiece_style_
     assert all("\ufffd" not in p for p in pieces)
     pieces, hit, _ = run(tok, out_ids, prompt=prompt_ids, stop=[output[3:6]])
     assert hit and "".join(pieces) == output[:3]
+
+
+# -- the reference real model's tokenizer (SmolLM2, GPT-2 style byte-level BPE) ------------------
+
+_SMOLLM2 = {}
+
+
+def _smollm2_tokenizer():
+    if "tok" not in _SMOLLM2:
+        from tools.smollm2 import cached_smollm2
+
+        tok = AutoTokenizer.from_pretrained(cached_smollm2())
+        backend = tok.backend_tokenizer
+        # Its vocabulary holds tokens such as " \xe2" (a space, then the first byte of a character).
+        mixed = [
+            i for i in range(len(tok)) if (t := backend.decode([i])).endswith("\ufffd") and t.rstrip("\ufffd")
+        ]
+        _SMOLLM2.update(tok=tok, mixed=mixed)
+    return _SMOLLM2["tok"], _SMOLLM2["mixed"]
+
+
+def test_smollm2_real_text_with_stop_strings():
+    tok, mixed = _smollm2_tokenizer()
+    assert mixed  # the case the partial-character release exists for
+    text = "Voilà — «déjà vu» 🎉🎊 naïve café, 日本語 and “quotes”… done."
+    ids = encode(tok, text)
+    pieces, hit, detok = run(tok, ids, prompt=encode(tok, "Say it:"))
+    assert "".join(pieces) == detok.text == text and not hit
+    assert all("\ufffd" not in p for p in pieces)
+    for stop in ("«déjà", "🎊", "本語 a", "…"):
+        pieces, hit, _ = run(tok, ids, stop=["zzz", stop])
+        assert hit and "".join(pieces) == text[: text.index(stop)], stop
+
+
+@st.composite
+def smollm2_case(draw):
+    tok, mixed = _smollm2_tokenizer()
+    byte_like = st.integers(0, 300)  # single bytes and short merges
+    token = st.one_of(st.sampled_from(mixed), byte_like, st.integers(0, len(tok) - 1))
+    ids = draw(st.lists(token, max_size=30))
+    prompt = draw(st.lists(token, max_size=6))
+    text = tok.decode(ids, skip_special_tokens=True)
+    stops = []
+    for _ in range(draw(st.integers(0, 3))):
+        if text and draw(st.booleans()):
+            a = draw(st.integers(0, len(text) - 1))
+            stops.append(text[a : draw(st.integers(a + 1, min(len(text), a + 5)))])
+        else:
+            stops.append(draw(st.text(min_size=1, max_size=3)))
+    return ids, prompt, stops
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(smollm2_case())
+def test_property_smollm2_released_text_is_decode_cut_at_first_stop(case):
+    ids, prompt, stops = case
+    tok, _ = _smollm2_tokenizer()
+    pieces, hit, detok = run(tok, ids, stop=stops, prompt=prompt)
+    want, want_hit = expected_text(tok, ids, stops)
+    assert "".join(pieces) == detok.text == want
+    assert hit == want_hit
