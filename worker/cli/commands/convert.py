@@ -16,8 +16,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("gguf_file", metavar="GGUF_FILE", help="the .gguf file")
     parser.add_argument("out_dir", metavar="OUT_DIR", help="directory to create")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
-                        help="dtype of the written weights (default float32: dequantized values kept exactly)")
+    parser.add_argument("--dtype", default="float32", choices=("auto", "float32", "bfloat16", "float16"),
+                        help="dtype of the written weights (default float32, also for auto: dequantized "
+                        "values kept exactly)")
     parser.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it is not empty")
     parser.set_defaults(func=run)
 
@@ -26,7 +27,9 @@ def run(args: argparse.Namespace) -> int:
     from worker.engine.convert import ConvertError, convert_gguf
 
     try:
-        out = convert_gguf(args.gguf_file, args.out_dir, dtype=args.dtype, overwrite=args.overwrite)
+        # TOKENMILL_DTYPE is shared with the serving commands, where "auto" is common.
+        dtype = "float32" if args.dtype == "auto" else args.dtype
+        out = convert_gguf(args.gguf_file, args.out_dir, dtype=dtype, overwrite=args.overwrite)
     except ConvertError as exc:
         print(f"tokenmill convert: error: {exc}", file=sys.stderr)
         return 1
