@@ -1,16 +1,18 @@
-"""Paged attention in plain torch: exact, and quick on the CPU for mixed batches of many sequences.
+"""Paged attention without Triton: exact, and quick on the CPU for mixed batches of many sequences.
 
 How one attend() call is organised (per layer; the plan behind it is built once per step):
 
-- Decode rows (one query token) are sorted by context length and cut into buckets whose lengths are
-  close, so padding stays small. Per bucket, one index_select gathers the rows' keys head-major into a
-  reused workspace ([rows * kv_heads, length, head_dim]), likewise the values; then one baddbmm (scale
+- Decode rows (one query token), float32 on the CPU: the C kernel of cpu_decode_kernel.py reads each
+  row's K/V in place through its block table (no gather; about 2x faster than the torch path below).
+- Decode rows otherwise (no C compiler, 16-bit, other devices) are sorted by context length and cut
+  into buckets whose lengths are close, so padding stays small. Per bucket, one index_select gathers
+  the rows' keys head-major into a reused workspace ([rows * kv_heads, length, head_dim]), likewise the values; then one baddbmm (scale
   and length mask fused in), a softmax and one bmm. The query heads that share a kv head are the M
   dimension of those GEMMs, so GQA costs no K/V copies. Measured on one CPU core this is ~2x faster
   than scaled_dot_product_attention on the same gathered data (whose CPU kernel is slow for 1-token
   queries).
 - Prefill and chunked-prefill rows (many query tokens) attend one row at a time: their context plus
-  new tokens are gathered the same way; a fresh prefill uses SDPA's causal path, a chunk after cached
+  new tokens are gathered block by block into the workspace; a fresh prefill uses SDPA's causal path, a chunk after cached
   context uses a causal mask shifted by the context length.
 
 Why the workspaces: a gather of tens of MB into a freshly allocated tensor costs several times the
@@ -43,6 +45,7 @@ class _DecodeBucket:
     length: int  # keys per row in this bucket (padded to whole blocks)
     key_bias: torch.Tensor  # [n * kv_heads, 1, length] in the query dtype: 0 where a key exists, -inf after
 
+
 @dataclass
 class _PrefillRow:
     start: int  # query tokens start:end of the packed query
@@ -72,7 +75,7 @@ class _StepPlan:
 
 
 class TorchAttentionBackend:
-    """AttentionBackend in plain torch (any device; the default on the CPU)."""
+    """AttentionBackend in torch, plus the C decode kernel on the CPU (any device; the CPU default)."""
 
     name = "torch"
 
