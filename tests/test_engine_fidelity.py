@@ -54,7 +54,10 @@ def hf_reference(model_dir, prompts, max_new, eos=False):
     return outs
 
 
-@pytest.fixture(scope="module", params=sorted(PRESETS))
+@pytest.fixture(
+    scope="module",
+    params=[pytest.param(a, marks=pytest.mark.slow) if a == "smollm2" else a for a in sorted(PRESETS)],
+)
 def case(request):
     model_dir = model_dir_for(request.param)
     from worker.engine.model_config import load_model_config
