@@ -264,6 +264,10 @@ def paged_decode_attention(
         raise RuntimeError("the CPU decode attention kernel is not available")
     _, block_size, num_kv_heads, head_dim = key_cache.shape
     num_heads = query.shape[1]
+    if query.shape[2] != head_dim or num_heads % num_kv_heads or value_cache.shape != key_cache.shape:
+        raise ValueError(
+            f"query {tuple(query.shape)} does not fit caches {tuple(key_cache.shape)} / {tuple(value_cache.shape)}"
+        )
     if query.stride(2) != 1 or query.stride(1) != head_dim or out.stride(2) != 1 or out.stride(1) != head_dim:
         raise ValueError("query and out must be contiguous within each token row")
     rc = lib.paged_decode_attention_f32(
