@@ -187,7 +187,8 @@ class Sampler:
         return True
 
     def _process(self, logits: torch.Tensor, inputs: Sequence[SamplingInputs]) -> _Processed:
-        """Masks, penalties and truncation; returns each greedy row's choice and the random rows' probs.
+        """Masks, penalties and truncation; returns each greedy row's choice and the weights each
+        random row is drawn from.
 
         min_tokens masks and penalties touch few (row, token) positions, so they are written into
         the logits in place and the original values put back afterwards: no [N, V] copy.
@@ -218,7 +219,10 @@ class Sampler:
                     torch.div(logits, temps.unsqueeze(1), out=x)
                 else:
                     torch.index_select(logits, 0, random_rows, out=x).div_(temps.unsqueeze(1))
-                keep_buffer = lambda: self._workspace(len(random), logits.shape[1], device, "keep")  # noqa: E731
+
+                def keep_buffer() -> torch.Tensor:  # only allocated when some row truncates
+                    return self._workspace(len(random), logits.shape[1], device, "keep")
+
                 random_weights = _truncated_weights(x, params, keep_buffer)
         finally:
             for positions, original in reversed(saved):
