@@ -19,7 +19,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     dtype = x.dtype
     xf = x.float()
     variance = xf.pow(2).mean(-1, keepdim=True)
-    return weight * (xf * torch.rsqrt(variance + eps)).to(dtype)
+    normed = (xf * torch.rsqrt(variance + eps)).to(dtype)
+    if normed.dtype != weight.dtype:
+        return weight * normed
+    return normed.mul_(weight)  # normed is always a fresh tensor: in place saves one [T, hidden] buffer
 
 
 class RMSNorm(nn.Module):
@@ -35,7 +38,7 @@ class RMSNorm(nn.Module):
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SiLU(gate) * up for the fused [.., 2 * intermediate] gate/up projection output."""
     gate, up = gate_up.chunk(2, dim=-1)
-    return nn.functional.silu(gate) * up
+    return nn.functional.silu(gate).mul_(up)
 
 
 def rope_inverse_frequencies(head_dim: int, rope: RopeConfig) -> torch.Tensor:
