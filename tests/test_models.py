@@ -142,3 +142,27 @@ def test_fused_triton_layer_ops_match_transformers(models, tiny_model_dir):
 def test_unknown_layer_ops_is_an_error(tiny_llama_dir):
     with pytest.raises(ValueError, match="unknown layer ops 'fast'"):
         load_model(tiny_llama_dir, attention_backend=TorchAttentionBackend(), layer_ops="fast")
+
+
+def test_llama3_rope_scaling_matches_transformers(tmp_path, tiny_llama_dir):
+    import json
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    ckpt = tmp_path / "llama3-rope"
+    shutil.copytree(tiny_llama_dir, ckpt)
+    config = json.loads((ckpt / "config.json").read_text())
+    config["rope_parameters"] = {
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+    }
+    (ckpt / "config.json").write_text(json.dumps(config))
+    ours, cfg = load_model(ckpt, attention_backend=TorchAttentionBackend())
+    plain, _ = load_model(tiny_llama_dir, attention_backend=TorchAttentionBackend())
+    ref = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    ids = prompt(cfg, 90, seed=31)
+    got = ours.compute_logits(run_step(ours, PagedKV.for_model(cfg), [("r", ids)])[0])
+    torch.testing.assert_close(got, reference_logits(ref, ids), atol=ATOL, rtol=0)
+    default_rope = plain.compute_logits(run_step(plain, PagedKV.for_model(cfg), [("r", ids)])[0])
+    assert (got - default_rope).abs().max() > 1e-3  # the scaling really changed the model
