@@ -113,24 +113,18 @@ def load_model(
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise CheckpointError(f"{model_dir} lacks tensor(s) {shown}")
+    wanted = set(needed)
+    # A stored lm_head.weight of a tied checkpoint is a copy of the embedding (transformers ignores it too).
+    unexpected = [n for n in where if n not in wanted and not n.endswith(_IGNORED_SUFFIXES) and n != "lm_head.weight"]
+    if unexpected:
+        raise CheckpointError(
+            f"{model_dir} holds tensor(s) a {cfg.architecture} model does not use: {', '.join(sorted(unexpected)[:5])}"
+        )
 
     from safetensors import safe_open
 
-    wanted = set(needed)
-    skipped: list[str] = []
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
-            names = [n for n in f.keys() if n in wanted]
-            skipped += [
-                n for n in f.keys()
-                if n not in wanted and not n.endswith(_IGNORED_SUFFIXES) and n != "lm_head.weight"
-            ]
-            if skipped:
-                break
-            model.load_weights((n, f.get_tensor(n)) for n in names)
-    if skipped:
-        raise CheckpointError(
-            f"{model_dir} holds tensor(s) a {cfg.architecture} model does not use: {', '.join(skipped[:5])}"
-        )
+            model.load_weights((n, f.get_tensor(n)) for n in f.keys() if n in wanted and where[n] == file)
     model.eval()
     return model, cfg
