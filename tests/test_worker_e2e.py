@@ -67,7 +67,8 @@ async def test_end_to_end_200_jobs_exactly_one_ok_result_each(kafka_bootstrap, t
         metrics, ready = await asyncio.to_thread(_http, w.metrics_port, "/metrics"), await asyncio.to_thread(
             _http, w.metrics_port, "/readyz")
         assert ready == (200, "ok\n")
-        assert "tokenmill_jobs_ok_total 200.0" in metrics[1] and "tokenmill_jobs_in_total 200.0" in metrics[1]
+        assert "tokenmill_jobs_ok_total 200.0" in metrics[1] and "tokenmill_jobs_in_total 200.0" in metrics[1], (
+            [line for line in metrics[1].splitlines() if line.startswith("tokenmill_")])
         assert f'tokenmill_commit_lag{{partition="0",topic="{topics.jobs}"}} 0.0' in metrics[1]
         assert "tokenmill_ttft_ms_count 200.0" in metrics[1]
     assert task.result() == 0

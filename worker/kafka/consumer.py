@@ -333,8 +333,11 @@ class KafkaWorker:
                 start = (await self._retrying(lambda: self.consumer.beginning_offsets([tp]),
                                               "read the beginning offset"))[tp]
             starts[tp] = start
+        # No await from here on: seeking and starting the epochs happen together as far as the
+        # poll task is concerned (a seek made before an await would let records from the new
+        # position arrive, and be skipped, while the partition is not tracked yet).
+        for tp, start in starts.items():
             self.consumer.seek(tp, start)
-        # No await from here on: the epoch begins atomically with respect to the poll task.
         epochs = self.tracker.assign(assigned)
         for tp, start in starts.items():
             self.tracker.get(tp).expect_from(start)
