@@ -95,6 +95,7 @@ CASES = [
     ([(1, c) for c in range(0, 60, 3)], 6, 2, 8, 8),  # 20 decode rows -> several buckets
     ([(3, 0), (1, 30), (17, 13), (1, 2)], 7, 1, 24, 16),  # GQA group 7, head_dim not a power of 2
     ([(2, 5), (1, 8)], 3, 1, 32, 1),  # block size 1
+    ([(4, 6), (1, 3), (4, 6), (4, 6), (7, 0), (1, 9), (7, 0)], 4, 2, 16, 4),  # prefill rows of equal shape
 ]
 
 
@@ -120,10 +121,18 @@ def test_many_decode_rows_stay_exact(use_cpu_kernel):
     else:  # the torch path cuts decode rows into buckets of similar length
         assert len(plan.decode) >= 2 and plan.kernel_decode is None
         assert sum(b.token_index.numel() for b in plan.decode) == len(lens) - 2
-    assert len(plan.prefill) == 2
+    assert [g.num_rows for g in plan.prefill] == [1, 1]
     got = run_backend(case, 0.25, use_cpu_kernel)
     want = reference_attention(case["query"], case["keys"], case["values"], case["rows"], 0.25)
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_prefill_rows_of_one_shape_attend_as_one_group():
+    rows = [(4, 6), (1, 3), (4, 6), (4, 6), (7, 0), (1, 9), (7, 0)]
+    case = random_case(21, rows, 4, 2, 16, 4)
+    plan = build_plan(case["meta"], 4, num_kv_heads=2)
+    shapes = sorted((g.num_rows, g.q_len, g.seq_len) for g in plan.prefill)
+    assert shapes == [(2, 7, 7), (3, 4, 10)]
 
 
 def test_kernel_and_torch_paths_agree_on_long_contexts():

@@ -47,10 +47,14 @@ class _DecodeBucket:
 
 
 @dataclass
-class _PrefillRow:
-    start: int  # query tokens start:end of the packed query
-    end: int
-    block_ids: torch.Tensor  # long [blocks]
+class _PrefillGroup:
+    """Prefill / extend rows of one shape (same query length and sequence length), attended together:
+    in a prefix-cache workload many rows are exactly alike (shared prefix cached, same suffix length)."""
+
+    token_index: torch.Tensor  # long [n * q_len]: the rows' query tokens in the packed query, row-major
+    block_ids: torch.Tensor  # long [n * n_blocks]
+    num_rows: int
+    q_len: int
     seq_len: int  # context + new tokens
     mask: torch.Tensor | None  # bool [q_len, seq_len] when there is cached context; None = plain causal
 
@@ -69,7 +73,7 @@ class _KernelDecode:
 @dataclass
 class _StepPlan:
     decode: list[_DecodeBucket]
-    prefill: list[_PrefillRow]
+    prefill: list[_PrefillGroup]
     all_tokens_decode_in_order: bool  # output can be written without an index_copy
     kernel_decode: _KernelDecode | None = None  # set instead of `decode` when the C kernel runs
 
@@ -129,8 +133,8 @@ class TorchAttentionBackend:
             )
         for bucket in plan.decode:
             out.index_copy_(0, bucket.token_index, self._decode(query, key_cache, value_cache, bucket, scale))
-        for row in plan.prefill:
-            out[row.start : row.end] = self._prefill(query, key_cache, value_cache, row, scale)
+        for group in plan.prefill:
+            out.index_copy_(0, group.token_index, self._prefill(query, key_cache, value_cache, group, scale))
         return out
 
     def _decode(self, query, key_cache, value_cache, bucket: _DecodeBucket, scale, rows_in_order=False):
@@ -152,18 +156,19 @@ class TorchAttentionBackend:
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype)
         return torch.bmm(probs, v).view(n, num_heads, head_dim)
 
-    def _prefill(self, query, key_cache, value_cache, row: _PrefillRow, scale):
+    def _prefill(self, query, key_cache, value_cache, group: _PrefillGroup, scale):
         _, block_size, num_kv_heads, head_dim = key_cache.shape
         num_heads = query.shape[1]
-        k, v = self._gather(key_cache, value_cache, row.block_ids)
-        k = k.view(-1, num_kv_heads, head_dim)[: row.seq_len].transpose(0, 1).unsqueeze(0)
-        v = v.view(-1, num_kv_heads, head_dim)[: row.seq_len].transpose(0, 1).unsqueeze(0)
-        q = query[row.start : row.end].transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, head_dim]
+        n, q_len, seq_len = group.num_rows, group.q_len, group.seq_len
+        k, v = self._gather(key_cache, value_cache, group.block_ids)
+        k = k.view(n, -1, num_kv_heads, head_dim)[:, :seq_len].transpose(1, 2)  # [n, kv_heads, seq_len, d]
+        v = v.view(n, -1, num_kv_heads, head_dim)[:, :seq_len].transpose(1, 2)
+        q = query.index_select(0, group.token_index).view(n, q_len, num_heads, head_dim).transpose(1, 2)
         out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=row.mask, is_causal=row.mask is None, scale=scale,
+            q, k, v, attn_mask=group.mask, is_causal=group.mask is None, scale=scale,
             enable_gqa=num_heads != num_kv_heads,
         )
-        return out[0].transpose(0, 1)
+        return out.transpose(1, 2).reshape(n * q_len, num_heads, head_dim)
 
     def _gather(self, key_cache, value_cache, index):
         """Copy rows `index` of the caches (first dimension) into reused workspaces: (keys, values)."""
@@ -214,7 +219,7 @@ def build_plan(meta: AttentionMetadata, block_size: int, num_kv_heads: int = 1,
     tables = meta.block_tables.to("cpu", dtype=torch.long)
     max_blocks = tables.shape[1] if tables.dim() == 2 else 0
     decode_rows: list[int] = []
-    prefill: list[_PrefillRow] = []
+    prefill_rows: dict[tuple[int, int], list[int]] = {}  # (q_len, seq_len) -> rows
     for row, seq_len in enumerate(seq_lens):
         q_len = starts[row + 1] - starts[row]
         if q_len == 0:
@@ -226,7 +231,11 @@ def build_plan(meta: AttentionMetadata, block_size: int, num_kv_heads: int = 1,
             raise ValueError(f"row {row}: length {seq_len} needs {n_blocks} blocks, block table has {max_blocks}")
         if q_len == 1:
             decode_rows.append(row)
-            continue
+        else:
+            prefill_rows.setdefault((q_len, seq_len), []).append(row)
+
+    prefill: list[_PrefillGroup] = []
+    for (q_len, seq_len), rows in prefill_rows.items():
         context = seq_len - q_len
         mask = None
         if context:
@@ -234,9 +243,13 @@ def build_plan(meta: AttentionMetadata, block_size: int, num_kv_heads: int = 1,
             key_pos = torch.arange(seq_len)
             query_pos = torch.arange(context, seq_len)
             mask = (key_pos[None, :] <= query_pos[:, None]).to(device)
-        prefill.append(
-            _PrefillRow(starts[row], starts[row + 1], tables[row, :n_blocks].to(device), seq_len, mask)
-        )
+        n_blocks = _blocks_for(seq_len, block_size)
+        token_index = torch.cat([torch.arange(starts[r], starts[r] + q_len) for r in rows])
+        prefill.append(_PrefillGroup(
+            token_index=token_index.to(device),
+            block_ids=tables[torch.tensor(rows), :n_blocks].reshape(-1).to(device),
+            num_rows=len(rows), q_len=q_len, seq_len=seq_len, mask=mask,
+        ))
 
     if num_blocks is not None and tables.numel() and not 0 <= int(tables.min()) <= int(tables.max()) < num_blocks:
         raise ValueError(f"block_tables hold ids outside [0, {num_blocks}) (the cache has {num_blocks} blocks)")
