@@ -11,9 +11,10 @@ How one attend() call is organised (per layer; the plan behind it is built once 
   dimension of those GEMMs, so GQA costs no K/V copies. Measured on one CPU core this is ~2x faster
   than scaled_dot_product_attention on the same gathered data (whose CPU kernel is slow for 1-token
   queries).
-- Prefill and chunked-prefill rows (many query tokens) attend one row at a time: their context plus
-  new tokens are gathered block by block into the workspace; a fresh prefill uses SDPA's causal path, a chunk after cached
-  context uses a causal mask shifted by the context length.
+- Prefill and chunked-prefill rows (many query tokens) attend in groups of equal shape (query length,
+  sequence length), one SDPA call per group: their context plus new tokens are gathered block by
+  block into the workspace; a fresh prefill uses SDPA's causal path, a chunk after cached context a
+  causal mask shifted by the context length.
 
 Why the workspaces: a gather of tens of MB into a freshly allocated tensor costs several times the
 copy itself on Linux (the allocator hands the pages back and every step faults them in again).
