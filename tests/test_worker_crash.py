@@ -141,7 +141,8 @@ async def test_broker_restart_mid_run_loses_nothing(tiny_llama_dir, tmp_path):
         first = [job(i, max_tokens=12) for i in range(100)]
         second = [job(i, max_tokens=12) for i in range(100, 160)]
         await produce(bootstrap, topics.jobs, first)
-        proc = start_worker_process(worker_command(bootstrap, topics, tiny_llama_dir), tmp_path / "w.log")
+        proc = start_worker_process(worker_command(bootstrap, topics, tiny_llama_dir, "--instance-id", "restart-w1"),
+                                    tmp_path / "w.log")
         await _wait_some_results(bootstrap, topics.results, {j["job_id"] for j in first}, 20, timeout=90)
         await asyncio.to_thread(broker.stop, 60)
         await asyncio.sleep(4)  # the worker keeps generating, publishing fails and retries

@@ -239,3 +239,32 @@ async def test_kafka_bench_runs_end_to_end(kafka_bootstrap, tiny_llama_dir):
     assert report["workload"] == "kafka" and report["requests"] == 6
     assert report["kafka_output_tok_s"] > 0 and report["engine_output_tok_s"] > 0
     assert report["ratio"] == pytest.approx(report["kafka_output_tok_s"] / report["engine_output_tok_s"])
+
+
+async def test_backpressure_and_span_cap_pause_fetching_without_losing_jobs(kafka_bootstrap, tiny_llama_dir, engine):
+    from worker.kafka.backpressure import BackpressurePolicy
+
+    topics = await make_topics(kafka_bootstrap, "backpressure", partitions=1)
+    jobs = [job(i, max_tokens=6, tenant="t") for i in range(80)]
+    await produce(kafka_bootstrap, topics.jobs, jobs)
+    # Jobs held by the tenant cap count as waiting, so the gate sees up to 10 waiting jobs.
+    settings = worker_settings(kafka_bootstrap, topics, tiny_llama_dir, max_inflight_per_partition=12,
+                               max_inflight_per_tenant=2,
+                               backpressure=BackpressurePolicy(waiting_high=4, waiting_low=2))
+    seen = {"gate_paused": False, "span_paused": False, "max_span": 0}
+    async with running_worker(settings, engine) as (w, task):
+        async def sample():
+            while True:
+                seen["gate_paused"] |= w.gate.paused
+                seen["span_paused"] |= bool(w._span_paused)
+                for tp in w.tracker.partitions():
+                    seen["max_span"] = max(seen["max_span"], w.tracker.get(tp).span())
+                await asyncio.sleep(0)
+
+        sampler = asyncio.create_task(sample())
+        records = await read_topic(kafka_bootstrap, topics.results, count_unique_jobs(80), timeout=90)
+        sampler.cancel()
+    results = results_by_job(records)
+    assert len(results) == 80 and all(len(r) == 1 and r[0]["status"] == "ok" for r in results.values())
+    assert seen["gate_paused"] and seen["span_paused"]
+    assert 0 < seen["max_span"] <= 12  # the span cap is exact: the record over it is fetched again later
