@@ -35,7 +35,7 @@ def _jobs(work) -> list[bytes]:
             "prompt_token_ids": p,
             "sampling": {"max_tokens": n, "temperature": 0.0, "ignore_eos": True},
         }).encode()
-        for i, (p, n) in enumerate(zip(work.prompts, work.max_tokens))
+        for i, (p, n) in enumerate(zip(work.prompts, work.max_tokens, strict=True))
     ]
 
 

@@ -35,7 +35,7 @@ from schemas.constants import ERROR_INVALID_JOB, ERROR_MODEL_MISMATCH, ERROR_PRO
 from schemas.decode import decode_job
 from schemas.errors import JobDecodeError
 from worker.config import WorkerSettings
-from worker.engine.types import EngineStats, FinishReason, RequestDelta
+from worker.engine.types import EngineStats, RequestDelta
 from worker.kafka import answers
 from worker.kafka.backpressure import BackpressureGate
 from worker.kafka.guard import BadInputGuard, BadInputGuardTripped
@@ -328,9 +328,9 @@ class KafkaWorker:
             # aiokafka may hand out records of a new assignment while this callback still runs;
             # those are skipped (the partition is not tracked yet), so the position is set here
             # explicitly: the committed offset, or the beginning when nothing was committed.
-            start = await self._retrying(lambda: self.consumer.committed(tp), "read the committed offset")
+            start = await self._retrying(lambda tp=tp: self.consumer.committed(tp), "read the committed offset")
             if start is None:
-                start = (await self._retrying(lambda: self.consumer.beginning_offsets([tp]),
+                start = (await self._retrying(lambda tp=tp: self.consumer.beginning_offsets([tp]),
                                               "read the beginning offset"))[tp]
             starts[tp] = start
         # No await from here on: seeking and starting the epochs happen together as far as the
@@ -414,7 +414,7 @@ class KafkaWorker:
                 await asyncio.sleep(1.0)
                 continue
             for tp, records in batches.items():
-                for i, rec in enumerate(records):
+                for rec in records:
                     if not self._accept(tp, rec):
                         # Span cap reached: rewind to this record and pause the partition.
                         consumer.seek(tp, rec.offset)
