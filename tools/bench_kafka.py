@@ -82,11 +82,9 @@ async def _through_kafka(bootstrap: str, model_dir: Path, work, engine_options: 
     while time.monotonic() < deadline:
         if task.done():
             raise RuntimeError(f"the worker stopped early: {worker._fatal or task.result()}")
-        if t_first is None and worker.metrics.jobs_in._value.get() > 0:
+        if t_first is None and worker.tracker.in_flight() > 0:
             t_first, c_first = time.perf_counter(), time.process_time()
-        done = worker.metrics.jobs_ok._value.get() + sum(
-            s.value for m in worker.metrics.jobs_error.collect() for s in m.samples if s.name.endswith("_total"))
-        if done >= n:
+        if worker.answered >= n:
             t_last, c_last = time.perf_counter(), time.process_time()
             break
         await asyncio.sleep(0.02)
@@ -165,6 +163,7 @@ def run_kafka_bench(
         "requests": len(work.prompts),
         "engine_output_tok_s": alone_tok_s,
         "engine_output_tok_s_runs": [before.output_tok_s, after.output_tok_s],
+        "engine_cpu_s_runs": [before.cpu_s, after.cpu_s],
         "kafka_output_tok_s": kafka["output_tok_s"],
         "baseline": "the same engine alone, same workload (mixed), same process; mean of a run before and after",
         "baseline_output_tok_s": alone_tok_s,

@@ -103,6 +103,7 @@ class KafkaWorker:
         self._stop = asyncio.Event()
         self._fatal: str | None = None
         self.exit_code = EXIT_OK
+        self.answered = 0  # inputs whose answer is durable (or staged, exactly-once), this process
         self._tasks: set[asyncio.Task] = set()
         self._dlq_partitions: int | None = None
         self._lag_labels: set[tuple[str, str]] = set()
@@ -561,6 +562,7 @@ class KafkaWorker:
         self.metrics.kv_usage.set(stats.kv_usage)
         self.metrics.prefix_hit_rate.set(stats.prefix_hit_rate)
         # Held jobs are waiting too, from the point of view of fetching more.
+        was_paused = self.gate.paused
         self.gate.update(stats.waiting + self.tenants.held, stats.kv_usage)
         new_tokens = 0
         for delta in deltas:
@@ -579,7 +581,7 @@ class KafkaWorker:
                 self._release_tenant(job)
                 self._spawn(self._finish(job, delta), f"finish-{job.attempt}")
         self.metrics.observe_tokens(new_tokens)
-        if self.consumer is not None:
+        if self.consumer is not None and (self.gate.paused != was_paused or self._span_paused):
             self._update_pausing()
 
     async def _finish(self, job: InFlightJob, delta: RequestDelta) -> None:
@@ -648,6 +650,7 @@ class KafkaWorker:
                 log.info("answer dropped: partition no longer ours")
                 return
         if self.tracker.complete(tp, epoch, offset):
+            self.answered += 1
             self._count(outcome)
             log.info("answered", status=outcome[0], code=outcome[1])
             self._progress.set()
