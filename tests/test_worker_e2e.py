@@ -212,7 +212,6 @@ async def test_guard_stops_the_worker_when_most_inputs_are_bad(kafka_bootstrap, 
 async def test_tenant_cap_limits_concurrent_jobs_of_a_tenant(kafka_bootstrap, tiny_llama_dir, engine):
     topics = await make_topics(kafka_bootstrap, "tenant", partitions=1)
     jobs = [job(i, max_tokens=8, tenant="a" if i % 2 else "b") for i in range(40)]
-    await produce(kafka_bootstrap, topics.jobs, jobs)
     settings = worker_settings(kafka_bootstrap, topics, tiny_llama_dir, max_inflight_per_tenant=2)
     peak = {"a": 0, "b": 0}
     async with running_worker(settings, engine) as (w, task):
@@ -223,6 +222,7 @@ async def test_tenant_cap_limits_concurrent_jobs_of_a_tenant(kafka_bootstrap, ti
                 await asyncio.sleep(0)
 
         sampler = asyncio.create_task(sample())
+        await produce(kafka_bootstrap, topics.jobs, jobs)  # only now: the sampler sees every job
         records = await read_topic(kafka_bootstrap, topics.results, count_unique_jobs(40), timeout=90)
         sampler.cancel()
     results = results_by_job(records)
@@ -246,7 +246,6 @@ async def test_backpressure_and_span_cap_pause_fetching_without_losing_jobs(kafk
 
     topics = await make_topics(kafka_bootstrap, "backpressure", partitions=1)
     jobs = [job(i, max_tokens=6, tenant="t") for i in range(80)]
-    await produce(kafka_bootstrap, topics.jobs, jobs)
     # Jobs held by the tenant cap count as waiting, so the gate sees up to 10 waiting jobs.
     settings = worker_settings(kafka_bootstrap, topics, tiny_llama_dir, max_inflight_per_partition=12,
                                max_inflight_per_tenant=2,
@@ -262,6 +261,7 @@ async def test_backpressure_and_span_cap_pause_fetching_without_losing_jobs(kafk
                 await asyncio.sleep(0)
 
         sampler = asyncio.create_task(sample())
+        await produce(kafka_bootstrap, topics.jobs, jobs)
         records = await read_topic(kafka_bootstrap, topics.results, count_unique_jobs(80), timeout=90)
         sampler.cancel()
     results = results_by_job(records)
