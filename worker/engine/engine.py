@@ -150,7 +150,6 @@ class Engine:
             SchedulerConfig(
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 max_num_seqs=config.max_num_seqs,
-                max_model_len=self.max_model_len,
             ),
             self.block_manager,
         )

@@ -35,7 +35,6 @@ from worker.engine.types import FinishReason
 class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
-    max_model_len: int = 2048
     admission_window: int = 128
     max_defer_steps: int = 32
 
