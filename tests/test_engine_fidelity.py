@@ -44,7 +44,7 @@ def hf_reference(model_dir, prompts, max_new, eos=False):
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     outs = []
     with torch.inference_mode():
-        for p, n in zip(prompts, max_new):
+        for p, n in zip(prompts, max_new, strict=True):
             kwargs = {} if eos else {"eos_token_id": None}
             seq = hf.generate(
                 torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
@@ -82,7 +82,7 @@ def requests(case, prefix="r", ignore_eos=True):
             prompt_token_ids=p,
             sampling=SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=ignore_eos),
         )
-        for i, (p, n) in enumerate(zip(case["prompts"], case["max_new"]))
+        for i, (p, n) in enumerate(zip(case["prompts"], case["max_new"], strict=True))
     ]
 
 
@@ -109,7 +109,7 @@ def test_greedy_matches_transformers_and_second_pass_hits_prefix_cache(case):
     assert outputs(second, "b") == case["ref"]
     cached = [second[f"b{i}"].usage.cached_prompt_tokens for i in range(NUM_PROMPTS)]
     assert sum(cached) > 0 and engine.stats().cached_prompt_tokens_total == sum(cached)
-    for p, c in zip(case["prompts"], cached):
+    for p, c in zip(case["prompts"], cached, strict=True):
         assert c == (len(p) - 1) // 16 * 16  # every full block but never the last prompt token
     assert engine.metrics.prompt_tokens_computed == sum(len(p) for p in case["prompts"]) * 2 - sum(cached)
 
@@ -158,6 +158,6 @@ def test_eos_stops_like_transformers(arch):
     got = outputs(res)
     assert got == ref
     eos = set(engine.eos_token_ids)
-    for out, d in zip(got, (res[f"r{i}"] for i in range(NUM_PROMPTS))):
+    for out, d in zip(got, (res[f"r{i}"] for i in range(NUM_PROMPTS)), strict=True):
         expected = FinishReason.STOP if out and out[-1] in eos else FinishReason.LENGTH
         assert d.finish_reason is expected

@@ -168,7 +168,7 @@ def test_random_workload_respects_budgets_and_leaks_nothing():
         assert out.num_batched_tokens <= budget
         assert len(out.requests) <= max_seqs and len(s.running) <= max_seqs
         assert len(set(map(id, out.requests))) == len(out.requests)
-        for r, n in zip(out.requests, out.num_new_tokens):
+        for r, n in zip(out.requests, out.num_new_tokens, strict=True):
             assert n >= 1 and r.num_computed_tokens + n <= r.num_tokens
             assert len(r.block_table) * 4 >= r.num_computed_tokens + n
         finished += len(run_step(s, out))

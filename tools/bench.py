@@ -120,7 +120,7 @@ def _engine_requests(work: Workload, tag: str):
             prompt_token_ids=p,
             sampling=SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True),
         )
-        for i, (p, n) in enumerate(zip(work.prompts, work.max_tokens))
+        for i, (p, n) in enumerate(zip(work.prompts, work.max_tokens, strict=True))
     ]
 
 
@@ -259,7 +259,7 @@ def run_bench(
         work = mixed_workload(mc.vocab_size, num_requests or 256, seed, special)
     else:
         work = prefix_workload(mc.vocab_size, num_requests or 128, seed, special)
-    need = max(len(p) + n for p, n in zip(work.prompts, work.max_tokens))
+    need = max(len(p) + n for p, n in zip(work.prompts, work.max_tokens, strict=True))
     if need > mc.max_model_len:
         raise ValueError(f"the workload needs {need} positions; {model} allows {mc.max_model_len}")
 

@@ -11,8 +11,8 @@ from worker.engine.types import (
     FinishReason,
     RequestDelta,
     SamplingParams,
-    TokenLogprob,
     Timing,
+    TokenLogprob,
     Usage,
 )
 

@@ -300,7 +300,7 @@ class Engine:
         eos = self._eos
         max_len = self.max_model_len
         finished: list[Request] = []
-        for req, s in zip(reqs, sampled):
+        for req, s in zip(reqs, sampled, strict=True):
             tok = s.token_id
             req.append_output(tok)
             if req.first_token_time is None:

@@ -113,12 +113,12 @@ class ModelRunner:
         seq_lens = ctx + n
 
         if num_tokens == num_seqs:  # pure decode step: one token per request
-            ids = [r.kv.token_ids[c] for r, c in zip(requests, ctx.tolist())]
+            ids = [r.kv.token_ids[c] for r, c in zip(requests, ctx.tolist(), strict=True)]
             positions = ctx
             token_rows = rows
         else:
             ids = []
-            for r, c, k in zip(requests, ctx.tolist(), n.tolist()):
+            for r, c, k in zip(requests, ctx.tolist(), n.tolist(), strict=True):
                 ids.extend(r.kv.token_ids[c : c + k])
             positions = np.arange(num_tokens, dtype=np.int64) - np.repeat(qsl[:-1] - ctx, n)
             token_rows = np.repeat(rows, n)
@@ -131,7 +131,7 @@ class ModelRunner:
             sample_requests = list(requests)
             logits_index = None if num_tokens == num_seqs else qsl[1:] - 1
         else:
-            sample_requests = [r for r, s in zip(requests, samples.tolist()) if s]
+            sample_requests = [r for r, s in zip(requests, samples.tolist(), strict=True) if s]
             logits_index = qsl[1:][samples] - 1
 
         stats = StepInputs(

@@ -251,7 +251,7 @@ class Scheduler:
     def on_step_done(self, out: SchedulerOutput) -> None:
         """The step's forward ran: its tokens are computed; cache the blocks that became full."""
         bm = self.bm
-        for req, n in zip(out.requests, out.num_new_tokens):
+        for req, n in zip(out.requests, out.num_new_tokens, strict=True):
             req.num_computed_tokens += n
             bm.register_computed(req.kv, req.num_computed_tokens)
 
