@@ -36,3 +36,13 @@ def test_bench_writes_report(tmp_path, tiny_llama_dir, workload, requests, capsy
         assert report["prefill_tokens_computed"] == report["prompt_tokens"] - report["cached_prompt_tokens"]
         assert report["baseline_prefill_tokens_computed"] == report["prompt_tokens"]
     assert "ratio" in capsys.readouterr().out
+
+
+@pytest.mark.kafka
+def test_bench_kafka_workload_is_reachable_from_the_cli(tmp_path, tiny_llama_dir, kafka_bootstrap):
+    out = tmp_path / "kafka.json"
+    code = main(["bench", "--workload", "kafka", "--model", str(tiny_llama_dir), "--requests", "2",
+                 "--kv-cache-gb", "0.05", "--bootstrap-servers", kafka_bootstrap, "--json", str(out)])
+    assert code == 0
+    report = json.loads(out.read_text())
+    assert report["workload"] == "kafka" and report["requests"] == 2 and report["ratio"] > 0

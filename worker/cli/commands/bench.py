@@ -1,4 +1,4 @@
-"""`tokenmill bench --workload {mixed,prefix} --model {tiny-llama,smollm2,DIR} [--json PATH]`."""
+"""`tokenmill bench --workload {mixed,prefix,kafka} --model {tiny-llama,smollm2,DIR} [--json PATH]`."""
 
 from __future__ import annotations
 
@@ -10,15 +10,19 @@ from worker.cli.engine_options import add_engine_options, positive_int
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "bench",
-        help="benchmark the engine: mixed (vs transformers generate) or prefix (vs no prefix cache)",
+        help="benchmark the engine: mixed (vs transformers generate), prefix (vs no prefix cache), "
+        "kafka (mixed through a broker and a worker vs the engine alone)",
         description=(
             "mixed: 256 requests, prompt 16-512 tokens, output 16-256 (ignore_eos), against transformers "
             "generate with the best static batch of 8/32/64. prefix: 128 requests sharing a 512-token "
             "prefix plus 32 unique tokens, 32 output tokens, against the same engine without prefix "
-            "caching. Prints a table; --json writes the report."
+            "caching. kafka: the mixed workload through a real broker and a worker, against the engine "
+            "alone. Prints a table; --json writes the report."
         ),
     )
-    p.add_argument("--workload", required=True, choices=["mixed", "prefix"])
+    p.add_argument("--workload", required=True, choices=["mixed", "prefix", "kafka"])
+    p.add_argument("--bootstrap-servers", default=None,
+                   help="kafka workload: an existing broker (default: start a throw-away local one)")
     p.add_argument("--model", required=True, help="tiny-llama, smollm2 or a checkpoint directory")
     p.add_argument("--json", default=None, metavar="PATH", help="write the report as JSON here")
     p.add_argument("--requests", type=positive_int, default=None,
@@ -41,6 +45,16 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     options = engine_kwargs(args)
     options.pop("served_model_name")
+    if args.workload == "kafka":
+        from tools.bench_kafka import format_kafka_table, run_kafka_bench
+
+        report = run_kafka_bench(args.model, num_requests=args.requests, seed=args.workload_seed,
+                                 engine_options=options, bootstrap=args.bootstrap_servers)
+        report["threads"] = args.threads
+        print(format_kafka_table(report))
+        if args.json:
+            write_json(report, args.json)
+        return 0
     report = run_bench(
         args.workload, args.model, num_requests=args.requests, seed=args.workload_seed,
         engine_options=options, full_sweep=args.full_sweep,
