@@ -77,21 +77,20 @@ async def _through_kafka(bootstrap: str, model_dir: Path, work, engine_options: 
     worker = KafkaWorker(settings, engine=engine)
     task = asyncio.create_task(worker.run(install_signal_handlers=False))
     n = len(work.prompts)
-    t_first = t_last = None
     deadline = time.monotonic() + 3600
-    while time.monotonic() < deadline:
+    while worker.answered < n:
+        if time.monotonic() > deadline:
+            worker.request_stop("bench timeout")
+            await task
+            raise RuntimeError(f"the Kafka run answered {worker.answered} of {n} jobs within an hour")
         if task.done():
             raise RuntimeError(f"the worker stopped early: {worker._fatal or task.result()}")
-        if t_first is None and worker.tracker.in_flight() > 0:
-            t_first, c_first = time.perf_counter(), time.process_time()
-        if worker.answered >= n:
-            t_last, c_last = time.perf_counter(), time.process_time()
-            break
-        await asyncio.sleep(0.02)
+        await asyncio.sleep(0.25)  # the worker time-stamps its first fetch and last answer itself
+    (t_first, c_first), (t_last, c_last) = worker.first_fetch_at, worker.last_answer_at
     worker.request_stop("bench done")
     code = await task
-    if t_last is None or code != 0:
-        raise RuntimeError(f"the Kafka run did not finish (exit code {code})")
+    if code != 0:
+        raise RuntimeError(f"the Kafka run did not finish cleanly (exit code {code})")
 
     reader = AIOKafkaConsumer(topics["results"], bootstrap_servers=bootstrap, auto_offset_reset="earliest",
                               enable_auto_commit=False, fetch_max_bytes=64 << 20)

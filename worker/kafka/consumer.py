@@ -104,6 +104,8 @@ class KafkaWorker:
         self._fatal: str | None = None
         self.exit_code = EXIT_OK
         self.answered = 0  # inputs whose answer is durable (or staged, exactly-once), this process
+        self.first_fetch_at: tuple[float, float] | None = None  # (perf_counter, process_time)
+        self.last_answer_at: tuple[float, float] | None = None
         self._tasks: set[asyncio.Task] = set()
         self._dlq_partitions: int | None = None
         self._lag_labels: set[tuple[str, str]] = set()
@@ -460,6 +462,8 @@ class KafkaWorker:
             return False
         epoch = part.epoch
         part.track(rec.offset)
+        if self.first_fetch_at is None:
+            self.first_fetch_at = (time.perf_counter(), time.process_time())
         self.metrics.jobs_in.inc()
         source = answers.source_of(tp.topic, tp.partition, rec.offset)
         attempt = answers.new_attempt_id(self.s.worker_name)
@@ -522,7 +526,7 @@ class KafkaWorker:
             )
             return
         job.submitted = True
-        self._engine_thread.submit(request)
+        self._engine_thread.submit(request, every_delta=job.job.stream or job.job.sampling.logprobs is not None)
         job.log.debug("submitted to engine", attempt=job.attempt)
 
     def _release_tenant(self, job: InFlightJob, submit_next: bool = True) -> None:
@@ -555,7 +559,7 @@ class KafkaWorker:
 
     # ---------------------------------------------------------------------------------------
     # engine output
-    def _on_step(self, deltas: list[RequestDelta], stats: EngineStats) -> None:
+    def _on_step(self, deltas: list[RequestDelta], stats: EngineStats, new_tokens: int) -> None:
         self.health.tick()
         self.metrics.running.set(stats.running)
         self.metrics.waiting.set(stats.waiting)
@@ -564,9 +568,7 @@ class KafkaWorker:
         # Held jobs are waiting too, from the point of view of fetching more.
         was_paused = self.gate.paused
         self.gate.update(stats.waiting + self.tenants.held, stats.kv_usage)
-        new_tokens = 0
         for delta in deltas:
-            new_tokens += len(delta.new_token_ids)
             job = self._jobs.get(delta.request_id)
             if job is None:
                 continue  # aborted (revoked partition or shutdown)
@@ -651,6 +653,7 @@ class KafkaWorker:
                 return
         if self.tracker.complete(tp, epoch, offset):
             self.answered += 1
+            self.last_answer_at = (time.perf_counter(), time.process_time())
             self._count(outcome)
             log.info("answered", status=outcome[0], code=outcome[1])
             self._progress.set()

@@ -5,6 +5,10 @@ stall; the engine must never wait for Kafka, or the accelerator idles. So reques
 thread-safe queue, the thread steps the engine whenever it has work, and each step's deltas come
 back to the event loop in one `loop.call_soon_threadsafe` call, together with fresh stats for
 backpressure.
+
+Every bit of Python the event loop runs competes with the engine thread for the interpreter lock,
+so only the deltas the caller needs cross over: finished ones, and every delta of the requests
+submitted with `every_delta=True` (streaming, logprobs). The others are only counted.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from collections.abc import Callable
 
 from worker.engine.types import EngineRequest, EngineStats, FinishReason, RequestDelta, Usage
 
-StepCallback = Callable[[list[RequestDelta], EngineStats], None]
+StepCallback = Callable[[list[RequestDelta], EngineStats, int], None]  # deltas, stats, new tokens
 FatalCallback = Callable[[BaseException, str], None]
 
 _ADD, _ABORT = "add", "abort"
@@ -38,6 +42,7 @@ class EngineThread:
         self._on_step = on_step
         self._on_fatal = on_fatal
         self._commands: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+        self._every_delta: set[str] = set()  # touched by the engine thread only
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._idle_stats_interval_s = idle_stats_interval_s
@@ -49,8 +54,9 @@ class EngineThread:
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, request: EngineRequest) -> None:
-        self._commands.put((_ADD, request))
+    def submit(self, request: EngineRequest, every_delta: bool = False) -> None:
+        """Queue a request; with every_delta, each of its deltas is handed back, not just the last."""
+        self._commands.put((_ADD, (request, every_delta)))
         self._wake.set()
 
     def abort(self, request_id: str) -> None:
@@ -68,10 +74,10 @@ class EngineThread:
         return self._thread.is_alive()
 
     # -- the engine thread ----------------------------------------------------------------------
-    def _post(self, deltas: list[RequestDelta]) -> None:
+    def _post(self, deltas: list[RequestDelta], new_tokens: int = 0) -> None:
         stats = self.engine.stats()
         try:
-            self._loop.call_soon_threadsafe(self._on_step, deltas, stats)
+            self._loop.call_soon_threadsafe(self._on_step, deltas, stats, new_tokens)
         except RuntimeError:  # the loop is closed: we are shutting down
             self._stop.set()
 
@@ -83,9 +89,11 @@ class EngineThread:
             except queue.Empty:
                 return failed
             if kind == _ADD:
-                request: EngineRequest = payload  # type: ignore[assignment]
+                request, every_delta = payload  # type: ignore[misc]
                 try:
                     self.engine.add(request)
+                    if every_delta:
+                        self._every_delta.add(request.request_id)
                 except Exception as exc:  # a request the engine refuses must not stop the loop
                     # ValueError is the engine's "this request is invalid" (e.g. token ids outside
                     # the vocabulary); anything else is our failure, not the job's.
@@ -118,7 +126,15 @@ class EngineThread:
                     deltas = self.engine.step()
                     self.step_seconds += time.perf_counter() - t0
                     self.steps += 1
-                    self._post(failed + list(deltas))
+                    wanted, new_tokens, every = list(failed), 0, self._every_delta
+                    for d in deltas:
+                        new_tokens += len(d.new_token_ids)
+                        if d.finished:
+                            every.discard(d.request_id)
+                            wanted.append(d)
+                        elif d.request_id in every:
+                            wanted.append(d)
+                    self._post(wanted, new_tokens)
                     last_post = time.monotonic()
                     continue
                 if failed or time.monotonic() - last_post >= self._idle_stats_interval_s:
