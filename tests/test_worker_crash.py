@@ -75,36 +75,69 @@ async def test_sigterm_finishes_in_flight_jobs_commits_and_exits_0(kafka_bootstr
     assert drained and drained[0]["abandoned"] == 0
 
 
+def _ready(port: int) -> bool:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+async def _wait_ready(proc, port: int, log, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"worker exited: {_log_tail(log)}"
+        if await asyncio.to_thread(_ready, port):
+            return
+        await asyncio.sleep(0.3)
+    raise TimeoutError(f"worker not ready within {timeout}s: {_log_tail(log)}")
+
+
 async def _crash_run(bootstrap, model_dir, tmp_path, exactly_once: bool):
-    n_jobs, waves, kills = 500, 5, 3
+    """2 workers; 500 jobs in 5 waves; after each of the middle 3 waves is produced, one worker is
+    killed with SIGKILL while it works on it (1.5 s in; a wave is several seconds of work), restarted, and the
+    next wave waits until it is ready again, so the group always has 2 members to lose."""
+    from worker.kafka.local_broker import free_port
+
+    n_jobs, per_wave, kills = 500, 100, 3
     topics = await make_topics(bootstrap, "crash-eos" if exactly_once else "crash", partitions=4)
     extra = ["--exactly-once"] if exactly_once else []
-    cmd = worker_command(bootstrap, topics, model_dir, *extra, "--max-num-seqs", "32")
-    procs = {name: start_worker_process(cmd, tmp_path / f"{name}.log") for name in ("a", "b")}
-    all_jobs = [job(i, ("prompt", "messages", "tokens")[i % 3], stream=(i % 10 == 0), max_tokens=10)
+    ports = {name: free_port() for name in "ab"}
+
+    def cmd(name):
+        # The default commit interval (1 s), so a kill finds answered but not yet committed jobs.
+        return worker_command(bootstrap, topics, model_dir, *extra, "--max-num-seqs", "32",
+                              "--metrics-port", str(ports[name]), "--commit-interval", "1.0")
+
+    logs = {name: tmp_path / f"{name}.log" for name in "ab"}
+    procs = {name: start_worker_process(cmd(name), logs[name]) for name in "ab"}
+    forms = ("prompt", "messages", "tokens")
+    all_jobs = [job(i, forms[i % 3], stream=(i % 10 == 0), max_tokens=96 if 100 <= i < 400 else 8)
                 for i in range(n_jobs)]
-    per_wave = n_jobs // waves
+    waves = [all_jobs[i:i + per_wave] for i in range(0, n_jobs, per_wave)]
     killed = 0
     try:
-        for w in range(waves):
-            wave = all_jobs[w * per_wave:(w + 1) * per_wave]
+        for name in "ab":
+            await _wait_ready(procs[name], ports[name], logs[name])
+        for w, wave in enumerate(waves):
             await produce(bootstrap, topics.jobs, wave)
-            if killed < kills:
-                # Kill a worker while this wave is being worked on, then restart it at once.
-                ids = {j["job_id"] for j in wave}
-                await _wait_some_results(bootstrap, topics.results, ids, 10, timeout=120)
+            if 1 <= w <= kills:
+                await asyncio.sleep(1.5)
                 name = "ab"[killed % 2]
                 procs[name].send_signal(signal.SIGKILL)
                 assert procs[name].wait(30) == -signal.SIGKILL
                 killed += 1
-                procs[name] = start_worker_process(cmd, tmp_path / f"{name}.log")
+                procs[name] = start_worker_process(cmd(name), logs[name])
+                await _wait_ready(procs[name], ports[name], logs[name])
         results = await _results(bootstrap, topics.results, n_jobs, timeout=240, read_committed=exactly_once)
         for name, proc in procs.items():
-            assert proc.poll() is None, f"worker {name} exited: {_log_tail(tmp_path / f'{name}.log')}"
+            assert proc.poll() is None, f"worker {name} exited: {_log_tail(logs[name])}"
     finally:
         codes = {name: stop_process(p) for name, p in procs.items()}
     assert killed == kills
-    assert codes == {"a": 0, "b": 0}, {n: _log_tail(tmp_path / f"{n}.log") for n in procs}
+    assert codes == {"a": 0, "b": 0}, {n: _log_tail(logs[n]) for n in procs}
     missing = {j["job_id"] for j in all_jobs} - set(results)
     assert not missing, f"{len(missing)} jobs without a Result, e.g. {sorted(missing)[:5]}"
     duplicates = sum(len(v) - 1 for v in results.values())
