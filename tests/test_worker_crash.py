@@ -95,10 +95,37 @@ async def _wait_ready(proc, port: int, log, timeout: float = 120) -> None:
     raise TimeoutError(f"worker not ready within {timeout}s: {_log_tail(log)}")
 
 
+def _worker_metrics(port: int) -> dict[str, float]:
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
+        text = r.read().decode()
+    out = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in ("tokenmill_engine_running", "tokenmill_engine_waiting", "tokenmill_jobs_ok_total"):
+            out[name] = float(value)
+    return out
+
+
+async def _kill_mid_work(proc, port: int, ok_before: float, timeout: float = 30) -> float:
+    """SIGKILL once the worker has answered some of the new jobs and still runs others; returns
+    how many requests were in its engine at that moment."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        m = await asyncio.to_thread(_worker_metrics, port)
+        load = m["tokenmill_engine_running"] + m["tokenmill_engine_waiting"]
+        if m["tokenmill_jobs_ok_total"] >= ok_before + 3 and load > 0:
+            proc.send_signal(signal.SIGKILL)
+            return load
+        await asyncio.sleep(0.02)
+    raise AssertionError("the worker never had answered and running jobs at once")
+
+
 async def _crash_run(bootstrap, model_dir, tmp_path, exactly_once: bool):
-    """2 workers; 500 jobs in 5 waves; after each of the middle 3 waves is produced, one worker is
-    killed with SIGKILL while it works on it (1.5 s in; a wave is several seconds of work), restarted, and the
-    next wave waits until it is ready again, so the group always has 2 members to lose."""
+    """2 workers; 500 jobs in 5 waves; during each of the middle 3 waves one worker is killed with
+    SIGKILL once it has answered some of the wave and is still running more of it, restarted, and
+    the next wave waits until it is ready again, so the group always has 2 members to lose."""
     from worker.kafka.local_broker import free_port
 
     n_jobs, per_wave, kills = 500, 100, 3
@@ -114,7 +141,7 @@ async def _crash_run(bootstrap, model_dir, tmp_path, exactly_once: bool):
     logs = {name: tmp_path / f"{name}.log" for name in "ab"}
     procs = {name: start_worker_process(cmd(name), logs[name]) for name in "ab"}
     forms = ("prompt", "messages", "tokens")
-    all_jobs = [job(i, forms[i % 3], stream=(i % 10 == 0), max_tokens=96 if 100 <= i < 400 else 8)
+    all_jobs = [job(i, forms[i % 3], stream=(i % 10 == 0), max_tokens=160 if 100 <= i < 400 else 8)
                 for i in range(n_jobs)]
     waves = [all_jobs[i:i + per_wave] for i in range(0, n_jobs, per_wave)]
     killed = 0
@@ -122,11 +149,13 @@ async def _crash_run(bootstrap, model_dir, tmp_path, exactly_once: bool):
         for name in "ab":
             await _wait_ready(procs[name], ports[name], logs[name])
         for w, wave in enumerate(waves):
+            name = "ab"[killed % 2]
+            if 1 <= w <= kills:
+                ok_before = (await asyncio.to_thread(_worker_metrics, ports[name]))["tokenmill_jobs_ok_total"]
             await produce(bootstrap, topics.jobs, wave)
             if 1 <= w <= kills:
-                await asyncio.sleep(1.5)
-                name = "ab"[killed % 2]
-                procs[name].send_signal(signal.SIGKILL)
+                # Killed while it has answered some of this wave and is running more of it.
+                await _kill_mid_work(procs[name], ports[name], ok_before)
                 assert procs[name].wait(30) == -signal.SIGKILL
                 killed += 1
                 procs[name] = start_worker_process(cmd(name), logs[name])
