@@ -68,6 +68,8 @@ class ModelRunner:
         self._pin = device.type == "cuda"
         # Wall-clock seconds of the last forward (model + LM head), for the overhead stat.
         self.last_forward_s = 0.0
+        self._logits: torch.Tensor | None = None  # see _logits_buffer
+        self._max_num_seqs = max_num_seqs
 
     @staticmethod
     def kv_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, block_size: int) -> int:
@@ -166,6 +168,26 @@ class ModelRunner:
             t = t.pin_memory()
         return t.to(self.device, non_blocking=True)
 
+    def _logits_buffer(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """A reused float32 [rows, vocab] buffer for the LM head on the CPU (None elsewhere).
+
+        A fresh [256, 32000] float32 tensor is over 32 MiB, so the allocator maps new pages for it
+        every step (~16 ms of page faults on a small CPU); one buffer, grown on demand, avoids that.
+        The logits are only read by the sampler within the same step, so overwriting them next step
+        is safe.
+        """
+        if hidden.device.type != "cpu" or hidden.dtype != torch.float32:
+            return None
+        vocab = getattr(getattr(self.model, "config", None), "vocab_size", None)
+        if vocab is None:
+            return None
+        rows = hidden.shape[0]
+        buf = self._logits
+        if buf is None or buf.shape[0] < rows:
+            # Sized for the largest batch at once, so growing batches do not re-map it step after step.
+            buf = self._logits = torch.empty(max(rows, self._max_num_seqs), vocab, dtype=torch.float32)
+        return buf[:rows]
+
     def execute(self, requests: Sequence[Request], num_new_tokens: Sequence[int]) -> tuple[torch.Tensor | None, StepInputs]:
         """Run one batched forward; returns float32 logits [num sampling requests, vocab] (or None)."""
         # Metadata is built outside inference mode: backends may key per-step plans on tensor versions.
@@ -177,7 +199,7 @@ class ModelRunner:
             if stats.sample_requests:
                 if logits_index is not None:
                     hidden = hidden.index_select(0, logits_index)
-                logits = self.model.compute_logits(hidden)
+                logits = self.model.compute_logits(hidden, out=self._logits_buffer(hidden))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.last_forward_s = time.perf_counter() - t0
