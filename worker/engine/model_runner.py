@@ -185,7 +185,8 @@ class ModelRunner:
         buf = self._logits
         if buf is None or buf.shape[0] < rows:
             # Sized for the largest batch at once, so growing batches do not re-map it step after step.
-            buf = self._logits = torch.empty(max(rows, self._max_num_seqs), vocab, dtype=torch.float32)
+            # Zero-filled so its pages are mapped now (e.g. during a warm-up), not in a later big step.
+            buf = self._logits = torch.zeros(max(rows, self._max_num_seqs), vocab, dtype=torch.float32)
         return buf[:rows]
 
     def execute(self, requests: Sequence[Request], num_new_tokens: Sequence[int]) -> tuple[torch.Tensor | None, StepInputs]:

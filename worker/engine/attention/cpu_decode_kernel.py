@@ -36,6 +36,10 @@ _SOURCE = r"""
 #include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define HAVE_AVX2 1
+#endif
 
 /* Dot product with 8 independent partial sums, so the compiler keeps them in one vector register and
    fuses multiply-add; the remainder (D not a multiple of 8) is summed last. */
@@ -48,6 +52,114 @@ static inline float dot_f32(const float *a, const float *b, int64_t D) {
     for (; d < D; ++d) tail += a[d] * b[d];
     return ((part[0] + part[4]) + (part[1] + part[5])) + ((part[2] + part[6]) + (part[3] + part[7])) + tail;
 }
+
+#ifdef HAVE_AVX2
+/* out[i] = scale * q . k_i for 8 keys k_i = k + i * k_stride (D a multiple of 8).
+   Why not 8 calls of dot_f32: one dot of D = 64 is a chain of 8 dependent FMAs plus a horizontal sum,
+   so the FMA units mostly wait. Here the d loop is outside the key loop: each q vector is loaded once
+   and feeds 8 independent accumulators (one per key), and the 8 horizontal sums share one hadd tree. */
+static inline void dot8_keys(const float *q, const float *k, int64_t k_stride, int64_t D, float scale, float *out) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    for (int64_t d = 0; d < D; d += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + d);
+        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + d), a0);
+        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + k_stride + d), a1);
+        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 2 * k_stride + d), a2);
+        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 3 * k_stride + d), a3);
+        a4 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 4 * k_stride + d), a4);
+        a5 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 5 * k_stride + d), a5);
+        a6 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 6 * k_stride + d), a6);
+        a7 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 7 * k_stride + d), a7);
+    }
+    /* hadd tree: lane i of the result is the full sum of accumulator i */
+    const __m256 t0 = _mm256_hadd_ps(a0, a1), t1 = _mm256_hadd_ps(a2, a3);
+    const __m256 t2 = _mm256_hadd_ps(a4, a5), t3 = _mm256_hadd_ps(a6, a7);
+    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    const __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+    _mm256_storeu_ps(out, _mm256_mul_ps(sums, _mm256_set1_ps(scale)));
+}
+
+/* acc[0..63] += sum_t w[t] * v_t[0..63], v_t = v + t * v_stride. The 64 accumulators stay in 8
+   registers over all cnt keys (8 independent FMA chains) instead of a load/store of acc per key. */
+static inline void weighted_sum64(const float *w, const float *v, int64_t v_stride, int64_t cnt, float *acc) {
+    __m256 a0 = _mm256_loadu_ps(acc), a1 = _mm256_loadu_ps(acc + 8), a2 = _mm256_loadu_ps(acc + 16);
+    __m256 a3 = _mm256_loadu_ps(acc + 24), a4 = _mm256_loadu_ps(acc + 32), a5 = _mm256_loadu_ps(acc + 40);
+    __m256 a6 = _mm256_loadu_ps(acc + 48), a7 = _mm256_loadu_ps(acc + 56);
+    for (int64_t t = 0; t < cnt; ++t) {
+        const __m256 wt = _mm256_broadcast_ss(w + t);
+        const float *vt = v + t * v_stride;
+        a0 = _mm256_fmadd_ps(wt, _mm256_loadu_ps(vt), a0);
+        a1 = _mm256_fmadd_ps(wt, _mm256_loadu_ps(vt + 8), a1);
+        a2 = _mm256_fmadd_ps(wt, _mm256_loadu_ps(vt + 16), a2);
+        a3 = _mm256_fmadd_ps(wt, _mm256_loadu_ps(vt + 24), a3);
+        a4 = _mm256_fmadd_ps(wt, _mm256_loadu_ps(vt + 32), a4);
+        a5 = _mm256_fmadd_ps(wt, _mm256_loadu_ps(vt + 40), a5);
+        a6 = _mm256_fmadd_ps(wt, _mm256_loadu_ps(vt + 48), a6);
+        a7 = _mm256_fmadd_ps(wt, _mm256_loadu_ps(vt + 56), a7);
+    }
+    _mm256_storeu_ps(acc, a0); _mm256_storeu_ps(acc + 8, a1); _mm256_storeu_ps(acc + 16, a2);
+    _mm256_storeu_ps(acc + 24, a3); _mm256_storeu_ps(acc + 32, a4); _mm256_storeu_ps(acc + 40, a5);
+    _mm256_storeu_ps(acc + 48, a6); _mm256_storeu_ps(acc + 56, a7);
+}
+
+/* e^x for x <= 0 (softmax inputs after subtracting the maximum), 8 lanes at a time: Cephes' expf
+   (range reduction by ln 2 in two parts, degree-5 polynomial, scale by 2^n), within ~2 ulp of expf.
+   Why: the scalar libm call per score was most of this kernel's time once the dot products were
+   vectorised (a decode step takes H x L exponentials per row). Inputs below -87 give ~1e-38 instead of
+   an underflowing tiny value, which no softmax sum can notice. */
+static inline __m256 exp_nonpos_ps(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
+}
+
+static inline float hsum_ps(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static inline float hmax_ps(__m256 v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* s[0..L-1] = softmax(s), vectorised (the scalar loops do not vectorise without -ffast-math). */
+static inline void softmax_row(float *s, int64_t L) {
+    int64_t p = 0;
+    __m256 mv = _mm256_set1_ps(-INFINITY);
+    for (; p + 8 <= L; p += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + p));
+    float m = hmax_ps(mv);
+    for (; p < L; ++p) m = s[p] > m ? s[p] : m;
+    const __m256 mb = _mm256_set1_ps(m);
+    __m256 sv = _mm256_setzero_ps();
+    for (p = 0; p + 8 <= L; p += 8) {
+        const __m256 e = exp_nonpos_ps(_mm256_sub_ps(_mm256_loadu_ps(s + p), mb));
+        _mm256_storeu_ps(s + p, e);
+        sv = _mm256_add_ps(sv, e);
+    }
+    float sum = hsum_ps(sv);
+    for (; p < L; ++p) { s[p] = expf(s[p] - m); sum += s[p]; }
+    const float inv = 1.f / sum;
+    const __m256 iv = _mm256_set1_ps(inv);
+    for (p = 0; p + 8 <= L; p += 8) _mm256_storeu_ps(s + p, _mm256_mul_ps(_mm256_loadu_ps(s + p), iv));
+    for (; p < L; ++p) s[p] *= inv;
+}
+#endif
 
 typedef struct {
     const float *query; int64_t q_stride;
@@ -82,16 +194,27 @@ static void *decode_rows(void *arg) {
             const float *kb = a->key_cache + (int64_t)table[p0 / bs] * bs * token_stride;
             const int64_t cnt = (L - p0) < bs ? (L - p0) : bs;
             const float *next = p0 + bs < L ? a->key_cache + (int64_t)table[p0 / bs + 1] * bs * token_stride : 0;
-            for (int64_t t = 0; t < cnt; ++t) {
-                if (next)
-                    for (int64_t l = 0; l < token_stride; l += 16) __builtin_prefetch(next + t * token_stride + l);
+            if (next)
+                for (int64_t l = 0; l < cnt * token_stride; l += 16) __builtin_prefetch(next + l);
+            int64_t t = 0;
+#ifdef HAVE_AVX2
+            if (D % 8 == 0)
+                for (; t + 8 <= cnt; t += 8)
+                    for (int64_t j = 0; j < H; ++j)
+                        dot8_keys(q + j * D, kb + t * token_stride + (j / G) * D, token_stride, D, a->scale,
+                                  scores + j * max_len + p0 + t);
+#endif
+            for (; t < cnt; ++t)
                 for (int64_t j = 0; j < H; ++j)
                     scores[j * max_len + p0 + t] = dot_f32(q + j * D, kb + t * token_stride + (j / G) * D, D) * a->scale;
-            }
         }
         /* softmax per query head, 1/sum folded into the weights */
         for (int64_t j = 0; j < H; ++j) {
             float *s = scores + j * max_len;
+#ifdef HAVE_AVX2
+            softmax_row(s, L);
+            continue;
+#endif
             float m = -INFINITY;
             for (int64_t p = 0; p < L; ++p) m = s[p] > m ? s[p] : m;
             float sum = 0.f;
@@ -105,6 +228,17 @@ static void *decode_rows(void *arg) {
             const float *vb = a->value_cache + (int64_t)table[p0 / bs] * bs * token_stride;
             const int64_t cnt = (L - p0) < bs ? (L - p0) : bs;
             const float *next = p0 + bs < L ? a->value_cache + (int64_t)table[p0 / bs + 1] * bs * token_stride : 0;
+#ifdef HAVE_AVX2
+            if (D % 64 == 0) {
+                if (next)
+                    for (int64_t l = 0; l < cnt * token_stride; l += 16) __builtin_prefetch(next + l);
+                for (int64_t j = 0; j < H; ++j)
+                    for (int64_t d0 = 0; d0 < D; d0 += 64)
+                        weighted_sum64(scores + j * max_len + p0, vb + (j / G) * D + d0, token_stride, cnt,
+                                       acc + j * D + d0);
+                continue;
+            }
+#endif
             for (int64_t t = 0; t < cnt; ++t) {
                 if (next)
                     for (int64_t l = 0; l < token_stride; l += 16) __builtin_prefetch(next + t * token_stride + l);

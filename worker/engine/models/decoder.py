@@ -122,6 +122,8 @@ class DecoderForCausalLM(nn.Module):
         out: optional float32 [N, vocab_size] contiguous buffer to write into (CPU fast path only; the
         result may still be a new tensor, so always use the return value).
         """
+        if hidden.device.type == "cpu" and self.lm_head.dtype == torch.float32:
+            self._lm_head_transposed()  # built on the first call (e.g. a warm-up), not in a big step
         if self._use_transposed_lm_head(hidden):
             # On the CPU the LM head is about half of a decode step's FLOPs. A [hidden, vocab] copy of
             # the weight lets the GEMM stream it without a transpose, and writing into a reused buffer
