@@ -37,6 +37,11 @@ def add_engine_options(parser: argparse.ArgumentParser, *, model_required: bool 
     e.add_argument("--max-model-len", type=positive_int, default=None)
     e.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
     e.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
+    e.add_argument("--cuda-graphs", default="auto", choices=["auto", "on", "off", "eager"],
+                   help="decode steps as CUDA graphs (auto: on for CUDA with the triton backend; "
+                        "eager: the same padded path without capture)")
+    e.add_argument("--async-scheduling", default="auto", choices=["auto", "on", "off"],
+                   help="prepare step N+1 while step N runs on the GPU (auto: on for CUDA)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -54,5 +59,16 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         enable_prefix_caching=not args.no_prefix_caching,
         served_model_name=args.served_model_name,
         seed=args.seed,
+        **gpu_path_kwargs(args),
     )
+
+
+def gpu_path_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """cuda_graphs / async_scheduling, only where a flag (or its variable) moves them off "auto".
+
+    Left out at "auto" so that settings objects which do not carry these fields yet (the Kafka
+    worker's EngineSettings) keep taking engine_kwargs unchanged; EngineConfig defaults to "auto".
+    """
+    chosen = {"cuda_graphs": args.cuda_graphs, "async_scheduling": args.async_scheduling}
+    return {name: value for name, value in chosen.items() if value != "auto"}
 

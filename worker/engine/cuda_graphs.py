@@ -37,6 +37,23 @@ from worker.engine.attention import AttentionMetadata
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 
 
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    """Batch sizes to capture for an engine running at most max_num_seqs sequences per step: the
+    default sizes below it, then max_num_seqs itself (so every decode batch has a graph)."""
+    return sorted({b for b in DEFAULT_BATCH_SIZES if b < max_num_seqs} | {max_num_seqs})
+
+
+def graph_memory_bytes(max_batch: int, vocab_size: int, hidden_size: int, intermediate_size: int, dtype_bytes: int) -> int:
+    """A generous estimate of the GPU memory captured decode graphs hold: the shared logits output
+    [max_batch, vocab] fp32, the largest graph's own logits (model dtype and fp32), its activations
+    (a few hidden- and intermediate-sized tensors per row, reused across layers by the pool) and a
+    fixed margin for kernel workspaces. Not measured on a GPU yet: it keeps the KV cache from
+    taking the memory the graphs need, at the price of a little KV space."""
+    logits = max_batch * vocab_size * (4 + 4 + dtype_bytes)
+    activations = max_batch * (8 * hidden_size + 3 * intermediate_size) * dtype_bytes
+    return logits + activations + 64 * 1024**2
+
+
 class DecodeGraphRunner:
     def __init__(
         self,

@@ -23,9 +23,11 @@ from pathlib import Path
 import torch
 
 from worker.engine.block_manager import BlockManager
+from worker.engine.cuda_graphs import graph_memory_bytes
 from worker.engine.model_runner import ModelRunner, StepInputs
 from worker.engine.request import Request, RequestStatus
-from worker.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from worker.engine.sampler import SampledToken
+from worker.engine.scheduler import PENDING_TOKEN, Scheduler, SchedulerConfig, SchedulerOutput
 from worker.engine.types import (
     EngineRequest,
     EngineStats,
@@ -41,6 +43,8 @@ log = logging.getLogger(__name__)
 CPU_DEFAULT_KV_GB = 2.0  # CPU has no "free accelerator memory" to take a fraction of
 # Head-room kept free on CUDA for activations of the largest step, on top of the memory fraction.
 CUDA_ACTIVATION_RESERVE_BYTES = 512 * 1024**2
+CUDA_GRAPH_MODES = ("auto", "on", "off", "eager")
+ASYNC_SCHEDULING_MODES = ("auto", "on", "off")
 
 
 @dataclass
@@ -58,6 +62,12 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     served_model_name: str | None = None  # default: directory name
     seed: int = 0
+    # Decode steps as replayed CUDA graphs: auto = on for CUDA with the triton backend; "eager" runs
+    # the same padded static-buffer path without capture (triton backend; how the CPU tests it).
+    cuda_graphs: str = "auto"
+    # Prepare and launch step N+1 while step N runs: auto = on for CUDA, off elsewhere; "on"
+    # forces it (also on the CPU, where it runs the same code without any overlap).
+    async_scheduling: str = "auto"
 
     def __post_init__(self) -> None:
         problems = []
@@ -73,6 +83,12 @@ class EngineConfig:
             problems.append("max_num_seqs must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 1:
             problems.append("max_model_len must be >= 1")
+        if self.cuda_graphs not in CUDA_GRAPH_MODES:
+            problems.append(f"cuda_graphs must be one of {', '.join(CUDA_GRAPH_MODES)}, got {self.cuda_graphs!r}")
+        if self.async_scheduling not in ASYNC_SCHEDULING_MODES:
+            problems.append(
+                f"async_scheduling must be one of {', '.join(ASYNC_SCHEDULING_MODES)}, got {self.async_scheduling!r}"
+            )
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -103,6 +119,46 @@ class EngineMetrics:
         return max(0.0, self.peak_step_wall_s - self.peak_step_model_s) / self.peak_step_wall_s
 
 
+def resolve_graph_mode(mode: str, device: torch.device, backend_name: str) -> str:
+    """EngineConfig.cuda_graphs -> the model runner's graph mode ("on", "off" or "eager")."""
+    if mode == "auto":
+        return "on" if device.type == "cuda" and backend_name == "triton" else "off"
+    if mode == "on" and device.type != "cuda":
+        raise ValueError(
+            f"cuda_graphs='on' needs a CUDA device (the engine runs on {device}); "
+            "'eager' runs the same padded decode path without capture"
+        )
+    if mode in ("on", "eager") and backend_name != "triton":
+        raise ValueError(
+            f"cuda_graphs={mode!r} needs the triton attention backend (it reads only device tensors), "
+            f"not {backend_name!r}"
+        )
+    return mode
+
+
+def resolve_async_scheduling(mode: str, device: torch.device) -> bool:
+    return device.type == "cuda" if mode == "auto" else mode == "on"
+
+
+@dataclass
+class _LaunchedStep:
+    """A step whose forward and sampling were launched; its tokens may still be on the device."""
+
+    requests: list[Request]  # the rows that sample, in row order
+    sampled: list[SampledToken] | None  # the tokens, when already on the host (synchronous step)
+    host_ids: torch.Tensor | None = None  # otherwise: where the ids arrive (pinned on CUDA)
+    ready: torch.cuda.Event | None = None  # recorded after the copy into host_ids (CUDA)
+    forward_start: torch.cuda.Event | None = None  # CUDA timing of forward + sampling
+    sampled_end: torch.cuda.Event | None = None
+    host_model_s: float = 0.0  # forward + sampling wall time (what the CPU spent running them)
+
+    def model_seconds(self) -> float:
+        """Forward + sampling time; on CUDA GPU time from events (complete once the ids are in)."""
+        if self.forward_start is not None and self.sampled_end is not None:
+            return self.forward_start.elapsed_time(self.sampled_end) / 1000.0
+        return self.host_model_s
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -126,6 +182,8 @@ class Engine:
             config.model, dtype=config.dtype, device=self.device, attention_backend=backend
         )
         self.attention_backend = backend
+        self.graph_mode = resolve_graph_mode(config.cuda_graphs, self.device, backend.name)
+        self.async_scheduling = resolve_async_scheduling(config.async_scheduling, self.device)
         self.tokenizer = load_tokenizer(config.model)
         self.served_model_name = config.served_model_name or Path(str(config.model).rstrip("/")).name
         mc = self.model_config
@@ -139,7 +197,7 @@ class Engine:
             max_len = config.max_model_len
         bs = config.block_size
         per_block = ModelRunner.kv_bytes_per_block(mc.num_layers, mc.num_kv_heads, mc.head_dim, mc.dtype, bs)
-        num_blocks = self._num_kv_blocks(per_block, max_len)
+        num_blocks = self._num_kv_blocks(per_block, max_len, self._graph_reserve_bytes())
         # A single sequence must always fit in the pool, or it could never finish.
         self.max_model_len = min(max_len, num_blocks * bs)
         self.eos_token_ids = list(mc.eos_token_ids)
@@ -164,26 +222,45 @@ class Engine:
             block_size=bs,
             max_num_seqs=config.max_num_seqs,
             max_model_len=self.max_model_len,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            graph_mode=self.graph_mode,
         )
+        # Graphs are captured now: the KV cache exists and no real step has run.
+        self.runner.capture_graphs()
         self.sampler = Sampler(seed=config.seed)
+        self._in_flight: _LaunchedStep | None = None  # async scheduling: the step whose ids are on the way
+        # Requests whose sampling needs their token history on the host every step (penalties,
+        # logprobs): while any is in the engine, steps run synchronously.
+        self._needs_host_history: set[str] = set()
         self.requests: dict[str, Request] = {}
         self._finish_next: list[Request] = []  # errors and aborts reported at the next step
         self._stats = EngineStats(kv_blocks_total=num_blocks)
         self.metrics = EngineMetrics()
         log.info(
-            "engine ready: model=%s device=%s dtype=%s kv_blocks=%d (block %d, %.2f GiB) max_model_len=%d",
+            "engine ready: model=%s device=%s dtype=%s kv_blocks=%d (block %d, %.2f GiB) max_model_len=%d "
+            "cuda_graphs=%s async_scheduling=%s",
             self.served_model_name, self.device, mc.dtype, num_blocks, bs,
-            num_blocks * per_block / 1024**3, self.max_model_len,
+            num_blocks * per_block / 1024**3, self.max_model_len, self.graph_mode, self.async_scheduling,
         )
 
     # ------------------------------------------------------------------ set-up
-    def _num_kv_blocks(self, bytes_per_block: int, max_len: int) -> int:
+    def _graph_reserve_bytes(self) -> int:
+        """GPU memory the decode graphs will hold (0 without captured graphs)."""
+        if self.graph_mode != "on":
+            return 0
+        mc = self.model_config
+        return graph_memory_bytes(
+            self.config.max_num_seqs, mc.vocab_size, mc.hidden_size, mc.intermediate_size or 4 * mc.hidden_size,
+            torch.empty((), dtype=mc.dtype).element_size(),
+        )
+
+    def _num_kv_blocks(self, bytes_per_block: int, max_len: int, graph_reserve: int = 0) -> int:
         cfg = self.config
         if cfg.kv_cache_gb is not None:
             budget = cfg.kv_cache_gb * 1024**3
         elif self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
-            budget = free - (1 - cfg.gpu_memory_fraction) * total - CUDA_ACTIVATION_RESERVE_BYTES
+            budget = free - (1 - cfg.gpu_memory_fraction) * total - CUDA_ACTIVATION_RESERVE_BYTES - graph_reserve
         else:
             budget = CPU_DEFAULT_KV_GB * 1024**3
         num_blocks = int(budget // bytes_per_block)
@@ -236,6 +313,8 @@ class Engine:
             eos_token_ids=self.eos_token_ids,
         )
         self.requests[req.request_id] = req
+        if _needs_host_history(request.sampling):
+            self._needs_host_history.add(req.request_id)
         self._stats.prompt_tokens_total += len(ids)
         if len(ids) > self.max_model_len:
             req.finish_reason = FinishReason.ERROR
@@ -256,7 +335,7 @@ class Engine:
         self._finish_next.append(req)
 
     def has_work(self) -> bool:
-        return bool(self._finish_next) or self.scheduler.has_work()
+        return bool(self._finish_next) or self.scheduler.has_work() or self._in_flight is not None
 
     # ------------------------------------------------------------------ one step
     def step(self) -> list[RequestDelta]:
@@ -270,6 +349,17 @@ class Engine:
                 deltas.append(self._finish(req, req.finish_reason, now, new_ids=[], text=""))
             self._finish_next = []
 
+        if self.async_scheduling and not self._needs_host_history:
+            out, model_s = self._step_overlapped(now, deltas)
+        else:
+            model_s = self._drain(deltas)
+            out, more = self._step_synchronous(now, deltas)
+            model_s += more
+        wall = time.perf_counter() - t_start
+        self._record_step_time(out, wall, model_s)
+        return deltas
+
+    def _schedule(self, now: float, deltas: list[RequestDelta]) -> SchedulerOutput:
         out = self.scheduler.schedule()
         for req in out.expired:
             deltas.append(self._finish(req, FinishReason.EXPIRED, now, new_ids=[], text=""))
@@ -278,31 +368,117 @@ class Engine:
         if out.preempted:
             self.metrics.num_preemptions += len(out.preempted)
             log.debug("preempted %d request(s)", len(out.preempted))
+        return out
 
+    def _step_synchronous(self, now: float, deltas: list[RequestDelta]) -> tuple[SchedulerOutput, float]:
+        """Schedule, run and process one step; its tokens are on the host before it returns."""
+        out = self._schedule(now, deltas)
+        if out.is_empty:
+            return out, 0.0
+        launched = self._launch(out, overlapped=False)
+        self.scheduler.on_step_done(out)
+        self._stats.steps += 1
+        if launched is None:
+            return out, self.runner.last_forward_s
+        self._process_samples(launched.requests, launched.sampled, time.time(), deltas, pending=False)
+        return out, launched.model_seconds()
+
+    def _step_overlapped(self, now: float, deltas: list[RequestDelta]) -> tuple[SchedulerOutput, float]:
+        """Async scheduling: launch step N+1, then take in step N's tokens while N+1 runs.
+
+        The scheduler sees each token of step N as pending (counted, id unknown: PENDING_TOKEN on
+        the host) and N+1's decode rows read it from N's sampled ids on the device. A request that
+        finishes at N has one token computed in N+1 for nothing: it is discarded, never emitted
+        nor counted.
+        """
+        out = self._schedule(now, deltas)
+        launched = self._launch(out, overlapped=True) if not out.is_empty else None
+        previous, self._in_flight = self._in_flight, launched
+        if launched is None:
+            self.runner.set_pending_samples(None, [])
         model_s = 0.0
+        if previous is not None:
+            model_s = self._take_in(previous, deltas)
         if not out.is_empty:
-            logits, step_in = self.runner.execute(out.requests, out.num_new_tokens)
-            self._record_kv_use(step_in)
+            # After N's tokens are in the requests: blocks that became full are hashed from real ids.
             self.scheduler.on_step_done(out)
-            model_s = self.runner.last_forward_s
-            if logits is not None:
-                t0 = time.perf_counter()
-                with torch.inference_mode():  # logits are inference tensors; the sampler edits them
-                    sampled = self.sampler(logits, [r.sampling_inputs for r in step_in.sample_requests])
-                model_s += time.perf_counter() - t0
-                self._process_samples(step_in.sample_requests, sampled, time.time(), deltas)
             self._stats.steps += 1
-        wall = time.perf_counter() - t_start
-        self._record_step_time(out, wall, model_s)
-        return deltas
+            if launched is None:
+                model_s += self.runner.last_forward_s
+        return out, model_s
 
-    def _process_samples(self, reqs, sampled, now: float, deltas: list[RequestDelta]) -> None:
+    def _drain(self, deltas: list[RequestDelta]) -> float:
+        """Take in the tokens of a step still in flight (before a synchronous step)."""
+        previous, self._in_flight = self._in_flight, None
+        self.runner.set_pending_samples(None, [])
+        return self._take_in(previous, deltas) if previous is not None else 0.0
+
+    def _launch(self, out: SchedulerOutput, *, overlapped: bool) -> _LaunchedStep | None:
+        """Forward + sampling of a scheduled step; None when no row samples.
+
+        Synchronous: the tokens come back to the host (the step's one synchronisation).
+        Overlapped: the ids stay on the device for the next step's inputs; a non-blocking copy to
+        the host is started, and each sampling request gets a PENDING_TOKEN placeholder.
+        """
+        logits, step_in = self.runner.execute(out.requests, out.num_new_tokens)
+        self._record_kv_use(step_in)
+        if overlapped:
+            self.runner.set_pending_samples(None, [])  # consumed by this step's inputs
+        if logits is None:
+            return None
+        reqs = step_in.sample_requests
+        inputs = [r.sampling_inputs for r in reqs]
+        launched = _LaunchedStep(requests=reqs, sampled=None, forward_start=self.runner.forward_start)
+        cuda = logits.device.type == "cuda"
+        t0 = time.perf_counter()
+        with torch.inference_mode():  # logits are inference tensors; the sampler edits them
+            wants_logprobs = any(inp.params.logprobs is not None for inp in inputs)
+            ids = None if wants_logprobs else self.sampler.sample_ids(logits, inputs)
+            if cuda:
+                launched.sampled_end = torch.cuda.Event(enable_timing=True)
+                launched.sampled_end.record()
+            if not overlapped:
+                launched.sampled = self.sampler(logits, inputs) if ids is None else [SampledToken(t) for t in ids.tolist()]
+            else:
+                self.runner.set_pending_samples(ids, reqs)
+                launched.host_ids = ids
+                if cuda:
+                    launched.host_ids = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+                    launched.host_ids.copy_(ids, non_blocking=True)
+                    launched.ready = torch.cuda.Event()
+                    launched.ready.record()
+                for r in reqs:
+                    r.kv.token_ids.append(PENDING_TOKEN)
+                    r.sampling_inputs.num_pending_tokens += 1
+        launched.host_model_s = self.runner.last_forward_s + time.perf_counter() - t0
+        return launched
+
+    def _take_in(self, launched: _LaunchedStep, deltas: list[RequestDelta]) -> float:
+        """Wait for an overlapped step's ids (the only wait on the GPU) and process its tokens."""
+        if launched.ready is not None:
+            launched.ready.synchronize()
+        sampled = [SampledToken(t) for t in launched.host_ids.tolist()]
+        for r in launched.requests:
+            r.sampling_inputs.num_pending_tokens -= 1
+        self._process_samples(launched.requests, sampled, time.time(), deltas, pending=True)
+        return launched.model_seconds()
+
+    def _process_samples(self, reqs, sampled, now: float, deltas: list[RequestDelta], *, pending: bool) -> None:
+        """Append each row's token and apply the finish rules. With pending=True the token replaces
+        its PENDING_TOKEN placeholder, and rows of requests that already finished are discarded."""
         eos = self._eos
         max_len = self.max_model_len
         finished: list[Request] = []
+        num_taken = 0
         for req, s in zip(reqs, sampled, strict=True):
             tok = s.token_id
-            req.append_output(tok)
+            if pending:
+                if req.status is RequestStatus.FINISHED:
+                    continue  # finished (or aborted) before this token: computed for nothing
+                _resolve_pending(req, tok)
+            else:
+                req.append_output(tok)
+            num_taken += 1
             if req.first_token_time is None:
                 req.first_token_time = now
             params = req.sampling
@@ -317,7 +493,7 @@ class Engine:
                 text, stop_hit = req.detokenizer.add(tok)
                 if stop_hit:
                     reason = FinishReason.STOP
-                elif n_out >= params.max_tokens or req.num_tokens >= max_len:
+                elif n_out >= params.max_tokens or n_out + req.num_prompt_tokens >= max_len:
                     reason = FinishReason.LENGTH
             logprobs = self._logprobs(tok, s) if params.logprobs is not None else None
             if reason is None:
@@ -330,10 +506,15 @@ class Engine:
             else:
                 if reason is not FinishReason.STOP or not req.detokenizer.stopped:
                     text += req.detokenizer.flush()
-                finished.append(req)
+                if req.status is RequestStatus.WAITING:
+                    # Preempted while this token was in flight (async scheduling): it leaves the queue.
+                    self.scheduler.remove(req)
+                    self.runner.release(req)
+                else:
+                    finished.append(req)
                 deltas.append(self._finish(req, reason, now, new_ids=[tok], text=text, logprobs=logprobs))
-        self._stats.generated_tokens_total += len(reqs)
-        self.metrics.output_tokens += len(reqs)
+        self._stats.generated_tokens_total += num_taken
+        self.metrics.output_tokens += num_taken
         if finished:
             self.scheduler.remove_finished(finished)
             for req in finished:
@@ -360,6 +541,7 @@ class Engine:
         req.finish_time = now
         req.status = RequestStatus.FINISHED
         self.requests.pop(req.request_id, None)
+        self._needs_host_history.discard(req.request_id)
         self._stats.cached_prompt_tokens_total += req.num_cached_prompt_tokens
         arrival = req.arrival_time
         first_sched = req.first_scheduled_time if req.first_scheduled_time is not None else now
@@ -443,3 +625,22 @@ class Engine:
             if bar is not None:
                 bar.close()
         return results
+
+
+def _needs_host_history(params) -> bool:
+    """Sampling that reads the request's token history or per-token host results every step."""
+    return (
+        params.logprobs is not None
+        or params.repetition_penalty != 1.0
+        or params.presence_penalty != 0.0
+        or params.frequency_penalty != 0.0
+    )
+
+
+def _resolve_pending(req: Request, token_id: int) -> None:
+    """Put an overlapped step's token in place of its placeholder (the first one left)."""
+    index = req.num_prompt_tokens + len(req.output_token_ids)
+    if req.kv.token_ids[index] != PENDING_TOKEN:
+        raise RuntimeError(f"request {req.request_id!r}: no pending token at position {index}")
+    req.kv.token_ids[index] = token_id
+    req.output_token_ids.append(token_id)

@@ -9,6 +9,12 @@ sample: the last token of each request whose computed tokens catch up with its t
 Block tables live in a persistent host buffer with one row per running request; a step copies only
 the blocks a request gained since the last step, so building the batch costs O(batch), not
 O(batch x context).
+
+GPU path (see docs/engine.md, "GPU path"): decode-only steps that fit a captured size replay a CUDA
+graph (cuda_graphs.py); step inputs go through persistent pinned host buffers with non-blocking
+copies; nothing in a step waits for the GPU (the engine's read of the sampled token ids is the
+only synchronisation); and a decode row may take its input token from the previous step's sampled
+ids while they are still on the device (async scheduling).
 """
 
 from __future__ import annotations
@@ -24,7 +30,10 @@ import numpy as np
 import torch
 
 from worker.engine.attention import AttentionMetadata
+from worker.engine.cuda_graphs import DecodeGraphRunner, capture_sizes
 from worker.engine.request import Request
+from worker.engine.scheduler import PENDING_TOKEN
+GRAPH_MODES = ("off", "on", "eager")
 
 
 @dataclass
@@ -69,6 +78,54 @@ def _zeros_kv(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) 
     return tensor.zero_().view(shape)  # zeroing after the advice maps the pages as huge pages
 
 
+class PinnedStaging:
+    """Persistent pinned host buffers for a step's inputs, copied to the device without blocking.
+
+    Allocated once at their largest size (per name: a capacity in elements and a dtype); a step
+    fills leading slices from numpy arrays and starts non-blocking copies. A copy from pinned
+    memory may still be reading its buffer when the host moves on, so there are two sets used in
+    turn, and each records a CUDA event after its copies: before a set is refilled (two steps
+    later) the host waits on that event. By then the GPU has long passed those copies (the engine
+    has read the sampled tokens of a step after them), so the wait does not stall in practice.
+
+    Without CUDA (pin=False, tests on the CPU) the same code runs and events are skipped.
+    """
+
+    def __init__(self, capacities: dict[str, tuple[int, torch.dtype]], device: torch.device, pin: bool = True) -> None:
+        self.device = device
+        self._sets = [
+            {name: torch.empty(cap, dtype=dtype, pin_memory=pin) for name, (cap, dtype) in capacities.items()}
+            for _ in range(2)
+        ]
+        self._events: list[torch.cuda.Event | None] = [None, None]
+        self._current = 1
+        self.num_unstaged = 0  # arrays larger than their buffer, copied the slow way (should stay 0)
+
+    def begin_step(self) -> None:
+        """Switch to the other set; wait until its previous copies have left it."""
+        self._current ^= 1
+        event = self._events[self._current]
+        if event is not None:
+            event.synchronize()
+
+    def upload(self, name: str, array: np.ndarray) -> torch.Tensor:
+        """`array` on the device, through this step's pinned buffer `name` (same shape and dtype)."""
+        buf = self._sets[self._current][name]
+        if array.size > buf.numel():
+            self.num_unstaged += 1
+            return torch.from_numpy(np.ascontiguousarray(array)).to(self.device)
+        view = buf[: array.size].view(array.shape)
+        np.copyto(view.numpy(), array, casting="same_kind")
+        return view.to(self.device, non_blocking=True)
+
+    def end_step(self) -> None:
+        """Mark the point after this step's copies (on CUDA)."""
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+            self._events[self._current] = event
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -83,7 +140,11 @@ class ModelRunner:
         block_size: int,
         max_num_seqs: int,
         max_model_len: int,
+        max_num_batched_tokens: int | None = None,
+        graph_mode: str = "off",
     ) -> None:
+        if graph_mode not in GRAPH_MODES:
+            raise ValueError(f"graph_mode must be one of {', '.join(GRAPH_MODES)}, got {graph_mode!r}")
         self.model = model
         self.device = device
         self.block_size = block_size
@@ -97,11 +158,50 @@ class ModelRunner:
         self._tables = np.zeros((max_num_seqs, self.max_blocks_per_seq), dtype=np.int32)
         self._synced = np.zeros(max_num_seqs, dtype=np.int64)  # blocks copied into each row
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
-        self._pin = device.type == "cuda"
-        # Wall-clock seconds of the last forward (model + LM head), for the overhead stat.
-        self.last_forward_s = 0.0
         self._logits: torch.Tensor | None = None  # see _logits_buffer
         self._max_num_seqs = max_num_seqs
+        # Wall-clock seconds of the last forward call (model + LM head): its run time on the CPU,
+        # only the time to enqueue it on CUDA (see execute).
+        self.last_forward_s = 0.0
+        self.forward_start: torch.cuda.Event | None = None
+        max_tokens = max(max_num_batched_tokens or 0, max_num_seqs)
+        self._staging = self._make_staging(max_tokens) if device.type == "cuda" else None
+        # Decode steps through padded static buffers: replayed CUDA graphs ("on") or run eagerly
+        # ("eager", the same path without capture, for tests on a CPU).
+        self.graph_runner: DecodeGraphRunner | None = None
+        if graph_mode != "off":
+            self.graph_runner = DecodeGraphRunner(
+                model, self.kv_caches, max_blocks_per_seq=self.max_blocks_per_seq,
+                batch_sizes=capture_sizes(max_num_seqs), use_graphs=graph_mode == "on",
+            )
+        self.num_graph_steps = 0  # steps run by the graph runner (tests check the path is taken)
+        # The previous step's sampled ids, still on the device, and each sampling request's row in
+        # them: decode rows whose input token is PENDING_TOKEN take it from there (async scheduling).
+        self._prev_sampled: torch.Tensor | None = None
+        self._prev_rows: dict[Request, int] = {}
+
+    def _make_staging(self, max_tokens: int) -> PinnedStaging:
+        seqs, width = self._max_num_seqs, self.max_blocks_per_seq
+        return PinnedStaging(
+            {
+                "input_ids": (max_tokens, torch.int64),
+                "positions": (max_tokens, torch.int64),
+                "slot_mapping": (max_tokens, torch.int64),
+                "query_start_loc": (seqs + 1, torch.int32),
+                "seq_lens": (seqs, torch.int32),
+                "block_tables": (seqs * width, torch.int32),
+                "logits_index": (seqs, torch.int64),
+                "pending_dst": (seqs, torch.int64),
+                "pending_src": (seqs, torch.int64),
+            },
+            self.device,
+        )
+
+    def capture_graphs(self) -> None:
+        """Capture the decode graphs (CUDA, graph_mode "on"); call once the KV cache exists and
+        before the first real step. A no-op otherwise."""
+        if self.graph_runner is not None:
+            self.graph_runner.capture()
 
     @staticmethod
     def kv_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, block_size: int) -> int:
@@ -176,29 +276,76 @@ class ModelRunner:
             live_tokens=int(seq_lens.sum()),
             slots_allocated=int(sum(len(r.kv.block_table) for r in requests)) * bs,
         )
+        staging = self._staging
+        if staging is not None:
+            staging.begin_step()
         dev = self._to_device
         meta = AttentionMetadata(
-            query_start_loc=dev(qsl.astype(np.int32)),
-            seq_lens=dev(seq_lens.astype(np.int32)),
-            block_tables=dev(np.ascontiguousarray(block_tables)),
-            slot_mapping=dev(slots),
+            query_start_loc=dev("query_start_loc", qsl.astype(np.int32)),
+            seq_lens=dev("seq_lens", seq_lens.astype(np.int32)),
+            block_tables=dev("block_tables", np.ascontiguousarray(block_tables)),
+            slot_mapping=dev("slot_mapping", slots),
             max_query_len=int(n.max()),
             max_seq_len=max_seq_len,
             query_start_loc_cpu=qsl.tolist(),
             seq_lens_cpu=seq_lens.tolist(),
         )
-        input_ids = dev(np.asarray(ids, dtype=np.int64))
-        pos_t = dev(np.ascontiguousarray(positions))
-        idx = None if logits_index is None else dev(logits_index)
+        ids_np = np.asarray(ids, dtype=np.int64)
+        pending = self._pending_inputs(requests, ids_np, qsl, ctx, n, totals)
+        input_ids = dev("input_ids", ids_np)
+        if pending is not None:
+            # Decode rows of requests whose last token is still on the device (async scheduling):
+            # take it from the previous step's sampled ids, without a round trip through the host.
+            dst, src = dev("pending_dst", pending[0]), dev("pending_src", pending[1])
+            input_ids.index_copy_(0, dst, self._prev_sampled.index_select(0, src))
+        pos_t = dev("positions", np.ascontiguousarray(positions))
+        idx = None if logits_index is None else dev("logits_index", logits_index)
+        if staging is not None:
+            staging.end_step()
         return input_ids, pos_t, meta, idx, stats
 
-    def _to_device(self, a: np.ndarray) -> torch.Tensor:
-        t = torch.from_numpy(a)
+    def _pending_inputs(
+        self, requests: Sequence[Request], ids: np.ndarray, qsl: np.ndarray, ctx: np.ndarray,
+        n: np.ndarray, totals: np.ndarray,
+    ) -> tuple[np.ndarray, np.ndarray] | None:
+        """(flat token index, row of the previous step's sampled ids) of every input token that is
+        PENDING_TOKEN on the host, or None when there is none.
+
+        A pending token is always its request's last token, so it is in this step exactly when the
+        request's chunk reaches its end.
+        """
+        prev = self._prev_rows
+        dst: list[int] = []
+        src: list[int] = []
+        if prev:
+            for i, r in enumerate(requests):
+                row = prev.get(r)
+                if row is not None and ctx[i] + n[i] == totals[i]:
+                    dst.append(int(qsl[i] + n[i] - 1))
+                    src.append(row)
+        placeholders = int(np.count_nonzero(ids == PENDING_TOKEN))
+        if placeholders != len(dst) or any(ids[d] != PENDING_TOKEN for d in dst):
+            raise RuntimeError(
+                f"{placeholders} input token(s) are still being sampled but {len(dst)} can be filled "
+                "from the previous step's sampled ids"
+            )
+        if not dst:
+            return None
+        return np.asarray(dst, dtype=np.int64), np.asarray(src, dtype=np.int64)
+
+    def set_pending_samples(self, sampled: torch.Tensor | None, requests: Sequence[Request]) -> None:
+        """Record a step's sampled ids [len(requests)] (on the device) before they reach the host:
+        the next step's decode rows of these requests read their input token from them. None
+        clears them (the engine has put every sampled token into the requests)."""
+        self._prev_sampled = sampled
+        self._prev_rows = {} if sampled is None else {r: i for i, r in enumerate(requests)}
+
+    def _to_device(self, name: str, a: np.ndarray) -> torch.Tensor:
         if self.device.type == "cpu":
-            return t
-        if self._pin:
-            t = t.pin_memory()
-        return t.to(self.device, non_blocking=True)
+            return torch.from_numpy(a)
+        if self._staging is not None:
+            return self._staging.upload(name, a)
+        return torch.from_numpy(a).to(self.device)
 
     def _logits_buffer(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """A reused float32 [rows, vocab] buffer for the LM head on the CPU (None elsewhere).
@@ -222,18 +369,41 @@ class ModelRunner:
         return buf[:rows]
 
     def execute(self, requests: Sequence[Request], num_new_tokens: Sequence[int]) -> tuple[torch.Tensor | None, StepInputs]:
-        """Run one batched forward; returns float32 logits [num sampling requests, vocab] (or None)."""
+        """Launch one batched forward; returns float32 logits [num sampling requests, vocab] (or None).
+
+        Nothing here waits for the GPU: on CUDA the logits are still being computed when this
+        returns. last_forward_s is the forward's wall time on the CPU (where it runs synchronously);
+        on CUDA, forward_start is a CUDA event recorded just before the forward, for timing it.
+        """
         # Metadata is built outside inference mode: backends may key per-step plans on tensor versions.
         input_ids, positions, meta, logits_index, stats = self.prepare(requests, num_new_tokens)
+        self.forward_start = None
+        if self.device.type == "cuda":
+            self.forward_start = torch.cuda.Event(enable_timing=True)
+            self.forward_start.record()
         t0 = time.perf_counter()
         with torch.inference_mode():
-            hidden = self.model(input_ids, positions, meta, self.kv_caches)
-            logits = None
-            if stats.sample_requests:
-                if logits_index is not None:
-                    hidden = hidden.index_select(0, logits_index)
-                logits = self.model.compute_logits(hidden, out=self._logits_buffer(hidden))
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            if self._graph_can_run(meta, logits_index, stats):
+                logits = self.graph_runner.run(input_ids, positions, meta)
+                self.num_graph_steps += 1
+            else:
+                logits = self._forward(input_ids, positions, meta, logits_index, stats)
         self.last_forward_s = time.perf_counter() - t0
         return logits, stats
+
+    def _graph_can_run(self, meta: AttentionMetadata, logits_index: torch.Tensor | None, stats: StepInputs) -> bool:
+        """A decode-only step where every row samples, in a size the graph runner holds."""
+        return (
+            self.graph_runner is not None
+            and logits_index is None
+            and stats.num_tokens == stats.num_seqs == len(stats.sample_requests)
+            and self.graph_runner.can_run(meta)
+        )
+
+    def _forward(self, input_ids, positions, meta, logits_index, stats) -> torch.Tensor | None:
+        hidden = self.model(input_ids, positions, meta, self.kv_caches)
+        if not stats.sample_requests:
+            return None
+        if logits_index is not None:
+            hidden = hidden.index_select(0, logits_index)
+        return self.model.compute_logits(hidden, out=self._logits_buffer(hidden))

@@ -49,6 +49,9 @@ class SamplingInputs:
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]  # generated so far; its length is the step index for seeding
     eos_token_ids: Sequence[int]
+    # Tokens sampled in earlier steps that are not in output_token_ids yet (async scheduling puts
+    # a step's tokens into the request while the next step runs): they count as generated.
+    num_pending_tokens: int = 0
     # The prompt as a tensor, built on first use by the repetition penalty (the prompt never changes).
     _prompt_ids: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -58,6 +61,20 @@ class SampledToken:
     token_id: int
     logprob: float | None = None  # raw-model logprob of token_id, when params.logprobs is not None
     top_logprobs: list[tuple[int, float]] = field(default_factory=list)  # top-N (id, raw logprob)
+
+
+def _upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without making the host wait: a plain copy from pageable memory
+    to CUDA blocks until the GPU has caught up, a copy from pinned memory does not."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def _on_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """torch.tensor(values, dtype=dtype, device=device), built on the host and uploaded without
+    blocking (see _upload)."""
+    return _upload(torch.tensor(values, dtype=dtype), torch.device(device))
 
 
 def _splitmix64(x: int) -> int:
@@ -111,9 +128,14 @@ def _has_penalties(params: SamplingParams) -> bool:
     )
 
 
+def num_generated(inp: SamplingInputs) -> int:
+    """Tokens the row has generated before this step (the step index of seeded sampling)."""
+    return len(inp.output_token_ids) + inp.num_pending_tokens
+
+
 def _min_tokens_blocked_ids(inp: SamplingInputs) -> list[int]:
     """Token ids that must not be sampled yet because min_tokens is not reached."""
-    if len(inp.output_token_ids) >= inp.params.min_tokens:
+    if num_generated(inp) >= inp.params.min_tokens:
         return []
     blocked = list(inp.params.stop_token_ids)
     if not inp.params.ignore_eos:
@@ -144,9 +166,23 @@ class Sampler:
         logits = self._check(logits, inputs)
         if self._fast_path_ok(inputs):
             return [SampledToken(t) for t in greedy_argmax(logits).tolist()]
-        processed = self._process(logits, inputs)
-        token_ids = self._sample(processed, inputs, logits.shape[0], logits.device)
+        token_ids = self._token_ids(logits, inputs)
         return self._with_logprobs(logits, token_ids, inputs)
+
+    def sample_ids(self, logits: torch.Tensor, inputs: Sequence[SamplingInputs]) -> torch.Tensor:
+        """The sampled token ids [N] as a tensor on the logits' device, for rows that want no
+        logprobs: the same tokens as __call__, without waiting for them (on CUDA the caller decides
+        when to bring them to the host). Logprobs need host work per row: use __call__ for them."""
+        logits = self._check(logits, inputs)
+        if any(inp.params.logprobs is not None for inp in inputs):
+            raise ValueError("sample_ids does not compute logprobs; call the sampler itself for such rows")
+        if self._fast_path_ok(inputs):
+            return greedy_argmax(logits)
+        return self._token_ids(logits, inputs)
+
+    def _token_ids(self, logits: torch.Tensor, inputs: Sequence[SamplingInputs]) -> torch.Tensor:
+        processed = self._process(logits, inputs)
+        return self._sample(processed, inputs, logits.shape[0], logits.device)
 
     # -- public helper (tests, debugging) --------------------------------------------------------
 
@@ -196,8 +232,8 @@ class Sampler:
         device = logits.device
         greedy = [i for i, inp in enumerate(inputs) if is_greedy(inp.params)]
         random = [i for i, inp in enumerate(inputs) if not is_greedy(inp.params)]
-        greedy_rows = torch.tensor(greedy, dtype=torch.long, device=device)
-        random_rows = torch.tensor(random, dtype=torch.long, device=device)
+        greedy_rows = _on_device(greedy, torch.long, device)
+        random_rows = _on_device(random, torch.long, device)
         greedy_choice = random_weights = None
 
         flat = logits.view(-1)
@@ -213,7 +249,7 @@ class Sampler:
                 greedy_choice = greedy_argmax(rows)
             if random:
                 params = [inputs[i].params for i in random]
-                temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
+                temps = _on_device([p.temperature for p in params], torch.float32, device)
                 x = self._workspace(len(random), logits.shape[1], device)
                 if len(random) == len(inputs):
                     torch.div(logits, temps.unsqueeze(1), out=x)
@@ -238,7 +274,7 @@ class Sampler:
             token_ids[processed.greedy_rows] = processed.greedy_choice
         if processed.random_weights is not None:
             uniforms = self._uniforms([inputs[i] for i in processed.random_row_list])
-            token_ids[processed.random_rows] = _inverse_cdf(processed.random_weights, uniforms.to(device))
+            token_ids[processed.random_rows] = _inverse_cdf(processed.random_weights, _upload(uniforms, device))
         return token_ids
 
     def _uniforms(self, inputs: Sequence[SamplingInputs]) -> torch.Tensor:
@@ -248,7 +284,7 @@ class Sampler:
             u[unseeded] = torch.rand(len(unseeded), generator=self._generator, dtype=torch.float64)
         for j, inp in enumerate(inputs):
             if inp.params.seed is not None:
-                u[j] = seeded_uniform(inp.params.seed, len(inp.output_token_ids))
+                u[j] = seeded_uniform(inp.params.seed, num_generated(inp))
         return u
 
     def _workspace(self, rows: int, vocab: int, device: torch.device, name: str = "main") -> torch.Tensor:
@@ -268,7 +304,7 @@ class Sampler:
             return out
         n_top = [inputs[i].params.logprobs or 0 for i in want]  # top-N per row (0: chosen only)
         device = raw_logits.device
-        rows = torch.tensor(want, dtype=torch.long, device=device)
+        rows = _on_device(want, torch.long, device)
         # Raw logprob = logit - logsumexp(row). The rows are copied into the buffer (sampling is
         # done with it) and exponentiated there in place, so no [N, V] temporary is allocated.
         x = torch.index_select(
@@ -331,8 +367,8 @@ def _edits(logits: torch.Tensor, inputs: Sequence[SamplingInputs]) -> list[tuple
             out_pos.append(_ids_tensor(inp.output_token_ids, vocab, "output") + i * vocab)
             if inp.params.repetition_penalty != 1.0:
                 prompt_pos.append(_prompt_ids_tensor(inp, vocab) + i * vocab)
-        out_pos_t = torch.cat(out_pos).to(device)
-        all_pos = torch.cat([out_pos_t] + [t.to(device) for t in prompt_pos])
+        out_pos_t = _upload(torch.cat(out_pos), device)
+        all_pos = torch.cat([out_pos_t] + [_upload(t, device) for t in prompt_pos])
         unique_pos, inverse = torch.unique(all_pos, return_inverse=True)
         # How often each (row, token) occurs in the row's output (0 for prompt-only tokens).
         counts = torch.zeros(unique_pos.numel(), dtype=torch.float32, device=device)
@@ -346,7 +382,7 @@ def _edits(logits: torch.Tensor, inputs: Sequence[SamplingInputs]) -> list[tuple
             p = inputs[i].params
             rep[i], freq[i], pres[i] = p.repetition_penalty, p.frequency_penalty, p.presence_penalty
         row = unique_pos // vocab
-        rep, freq, pres = rep.to(device)[row], freq.to(device)[row], pres.to(device)[row]
+        rep, freq, pres = _upload(rep, device)[row], _upload(freq, device)[row], _upload(pres, device)[row]
 
         x = flat[unique_pos]
         # Repetition (HF/vLLM): every token seen in prompt or output; rows without it have rep == 1.
@@ -367,7 +403,7 @@ def _edits(logits: torch.Tensor, inputs: Sequence[SamplingInputs]) -> list[tuple
         masked = torch.unique(
             torch.tensor(rows, dtype=torch.long) * vocab + torch.tensor(cols, dtype=torch.long)
         )
-        positions.append(masked.to(device))
+        positions.append(_upload(masked, device))
         values.append(torch.full((masked.numel(),), float("-inf"), device=device))
 
     return list(zip(positions, values, strict=True))
@@ -412,7 +448,7 @@ def _truncated_weights(
     filtered = False
 
     if any(p.min_p > 0 for p in params):
-        min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
+        min_p = _on_device([p.min_p for p in params], torch.float32, device)
         # p_i < min_p * p_max  <=>  x_i < x_max + log(min_p); min_p == 0 gives -inf: keeps all.
         threshold = row_max + torch.log(min_p)
         filtered = True
@@ -420,9 +456,10 @@ def _truncated_weights(
     k_rows = [j for j, p in enumerate(params) if 0 < p.top_k < vocab]
     top_kept = None  # the k-rows' largest logits that survive so far, sorted: top_p can reuse them
     if k_rows:
-        idx = torch.tensor(k_rows, dtype=torch.long, device=device)
-        ks = torch.tensor([params[j].top_k for j in k_rows], dtype=torch.long, device=device)
-        top = (x if len(k_rows) == rows else x[idx]).topk(int(ks.max()), dim=1).values  # largest first
+        idx = _on_device(k_rows, torch.long, device)
+        ks = _on_device([params[j].top_k for j in k_rows], torch.long, device)
+        max_k = max(params[j].top_k for j in k_rows)  # from the host: ks.max() would wait for the GPU
+        top = (x if len(k_rows) == rows else x[idx]).topk(max_k, dim=1).values  # largest first
         kth = top.gather(1, (ks - 1).unsqueeze(1)).squeeze(1)
         threshold[idx] = torch.maximum(threshold[idx], kth)
         top_kept = top.masked_fill_(top < threshold[idx].unsqueeze(1), neg_inf)
@@ -430,12 +467,12 @@ def _truncated_weights(
 
     p_rows = [j for j, p in enumerate(params) if p.top_p < 1.0]
     if p_rows:
-        idx = torch.tensor(p_rows, dtype=torch.long, device=device)
-        top_p = torch.tensor([params[j].top_p for j in p_rows], dtype=torch.float32, device=device)
+        idx = _on_device(p_rows, torch.long, device)
+        top_p = _on_device([params[j].top_p for j in p_rows], torch.float32, device)
         known = None
         if top_kept is not None and set(p_rows) <= set(k_rows):
             where = {j: n for n, j in enumerate(k_rows)}
-            known = top_kept[torch.tensor([where[j] for j in p_rows], dtype=torch.long, device=device)]
+            known = top_kept[_on_device([where[j] for j in p_rows], torch.long, device)]
         sub = x if len(p_rows) == rows else x[idx]
         # Rows that min_p or top_k filter first measure top_p's mass over what those keep. Which
         # rows do is decided by their own params, so a row's arithmetic never depends on the batch.
@@ -514,7 +551,7 @@ def _row_logsumexp(x: torch.Tensor, floor: torch.Tensor, floored: list[bool]) ->
         if len(rows) == x.shape[0]:
             out = _chunked_logsumexp(x, floor if use_floor else None)
         else:
-            idx = torch.tensor(rows, dtype=torch.long, device=x.device)
+            idx = _on_device(rows, torch.long, x.device)
             out[idx] = _chunked_logsumexp(x[idx], floor[idx] if use_floor else None)
     return out
 

@@ -30,6 +30,10 @@ from worker.engine.block_manager import BlockManager
 from worker.engine.request import Request, RequestStatus
 from worker.engine.types import FinishReason
 
+# Host-side stand-in for a token that was sampled but is still on its way from the device (async
+# scheduling): it counts towards num_tokens, its id is filled in when the step's ids arrive.
+PENDING_TOKEN = -1
+
 
 @dataclass
 class SchedulerConfig:
@@ -181,7 +185,9 @@ class Scheduler:
         bs = bm.block_size
         caching = bm.enable_prefix_caching
         self.waiting.sort(key=_sort_key)
-        window = self.waiting[: cfg.admission_window]
+        # A request preempted while its last token was in flight waits until the id is known: its
+        # prompt + output cannot be hashed or recomputed before that.
+        window = [r for r in self.waiting[: cfg.admission_window] if r.kv.token_ids[-1] != PENDING_TOKEN]
 
         # Longest cached prefix first within a priority class; long-deferred requests go first.
         hits: dict[int, list[int]] = {}
@@ -252,6 +258,8 @@ class Scheduler:
         """The step's forward ran: its tokens are computed; cache the blocks that became full."""
         bm = self.bm
         for req, n in zip(out.requests, out.num_new_tokens, strict=True):
+            if req.status is RequestStatus.FINISHED:
+                continue  # finished while the step ran (async scheduling): its blocks are released
             req.num_computed_tokens += n
             bm.register_computed(req.kv, req.num_computed_tokens)
 
