@@ -362,3 +362,21 @@ def test_requests_needing_host_history_make_steps_synchronous(llama_dir):
     for rid in finals["off"]:
         assert finals["on"][rid].output_token_ids == finals["off"][rid].output_token_ids, rid
         assert finals["on"][rid].logprobs == finals["off"][rid].logprobs, rid
+
+
+# ------------------------------------------------------------------------------- gpu_check report
+
+
+def test_gpu_check_runs_the_gpu_path_and_reports_it(llama_dir):
+    from tools import gpu_check
+
+    assert gpu_check.gpu_path_options("cuda:0") == dict(cuda_graphs="on", async_scheduling="on")
+    options = gpu_check.gpu_path_options("cpu")
+    assert options == dict(cuda_graphs="eager", async_scheduling="on")
+    engine = engine_for(llama_dir, attention_backend="triton", **options)
+    engine.generate(greedy_requests(make_prompts(2), [3, 3]))
+    report = gpu_check.gpu_path_report(engine)
+    assert report["cuda_graphs"] == "eager" and report["async_scheduling"] is True
+    assert 0 < report["graph_steps"] <= report["engine_steps"]
+    res = dict(ok=True, output_tok_s=10.0, fraction_of_ceiling=0.5, ceiling_tok_s=20.0, **report)
+    assert "cuda graphs eager, async scheduling on" in gpu_check._headline("throughput", res)

@@ -437,13 +437,25 @@ def roofline_ceiling(prompt_lens: list[int], output_lens: list[int], weight_byte
     return dict(steps=steps, bytes=total_bytes, seconds=seconds, tokens_per_s=sum(output_lens) / seconds)
 
 
+def gpu_path_options(device) -> dict:
+    """The engine's GPU path, forced on: CUDA graphs (captured on CUDA; the same padded path run
+    eagerly in a dry run on the CPU) and async scheduling (which on the CPU runs without overlap)."""
+    return dict(cuda_graphs="on" if str(device).startswith("cuda") else "eager", async_scheduling="on")
+
+
+def gpu_path_report(engine) -> dict:
+    """What the report records about the GPU path an engine actually ran."""
+    return dict(cuda_graphs=engine.graph_mode, async_scheduling=engine.async_scheduling,
+                graph_steps=engine.runner.num_graph_steps, engine_steps=engine.stats().steps)
+
+
 def make_engine(ctx: Context, model_dir: Path):
     from worker.engine.engine import Engine, EngineConfig
 
     config = EngineConfig(
         model=str(model_dir), device=str(ctx.device), dtype=ctx.sizes.model_dtype, attention_backend="triton",
         max_num_seqs=ctx.sizes.max_num_seqs, max_num_batched_tokens=ctx.sizes.max_num_batched_tokens,
-        kv_cache_gb=ctx.sizes.kv_cache_gb,
+        kv_cache_gb=ctx.sizes.kv_cache_gb, **gpu_path_options(ctx.device),
     )
     return Engine(config)
 
@@ -491,7 +503,8 @@ def section_throughput(ctx: Context) -> dict:
     return dict(sequences=n, prompt_tokens=sum(prompt_lens), output_tokens=produced, seconds=seconds,
                 output_tok_s=tok_s, ceiling_tok_s=ceiling["tokens_per_s"], ceiling_steps=ceiling["steps"],
                 fraction_of_ceiling=tok_s / ceiling["tokens_per_s"], weight_bytes=weights,
-                max_num_seqs=ctx.sizes.max_num_seqs, max_num_batched_tokens=ctx.sizes.max_num_batched_tokens)
+                max_num_seqs=ctx.sizes.max_num_seqs, max_num_batched_tokens=ctx.sizes.max_num_batched_tokens,
+                **gpu_path_report(engine))
 
 
 def _llama_param_count(shape: dict) -> int:
@@ -546,7 +559,7 @@ def section_mixed(ctx: Context) -> dict:
                               [min(n, ctx.sizes.mixed_output_range[1]) for n in work.max_tokens])
     options = dict(device=str(ctx.device), dtype=ctx.sizes.model_dtype, attention_backend="triton",
                    max_num_seqs=ctx.sizes.max_num_seqs, max_num_batched_tokens=ctx.sizes.max_num_batched_tokens,
-                   kv_cache_gb=ctx.sizes.kv_cache_gb)
+                   kv_cache_gb=ctx.sizes.kv_cache_gb, **gpu_path_options(ctx.device))
     engine = bench.run_engine(model_dir, work, options)
     _release_memory(ctx.device)
 
@@ -569,7 +582,7 @@ def section_mixed(ctx: Context) -> dict:
                 engine_overhead_fraction=engine.engine_overhead_fraction,
                 kv_slot_utilization_peak=engine.kv_slot_utilization_peak, baseline_batch=best,
                 baseline_probe_tok_s=probe_tok_s, baseline_seconds=baseline_s, baseline_output_tok_s=baseline_tok_s,
-                ratio=engine.output_tok_s / baseline_tok_s)
+                ratio=engine.output_tok_s / baseline_tok_s, **gpu_path_options(ctx.device))
 
 
 SECTIONS: list[tuple[str, Callable[[Context], dict]]] = [
@@ -632,6 +645,10 @@ def markdown_report(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _gpu_path_note(res: dict) -> str:
+    return f"cuda graphs {res['cuda_graphs']}, async scheduling {'on' if res['async_scheduling'] in (True, 'on') else 'off'}"
+
+
 def _headline(name: str, res: dict) -> str:
     if not res.get("ok"):
         return f"error: {res.get('error', 'failed checks')}"[:200].replace("|", "/")
@@ -648,10 +665,11 @@ def _headline(name: str, res: dict) -> str:
             for r in res["runs"])
     if name == "throughput":
         return (f"{_fmt(res['output_tok_s'])} output tok/s, {_fmt(res['fraction_of_ceiling'])} of ceiling "
-                f"{_fmt(res['ceiling_tok_s'])} tok/s")
+                f"{_fmt(res['ceiling_tok_s'])} tok/s; {_gpu_path_note(res)}, "
+                f"{res['graph_steps']}/{res['engine_steps']} steps as graphs")
     if name == "mixed":
         return (f"engine {_fmt(res['engine_output_tok_s'])} tok/s vs transformers {_fmt(res['baseline_output_tok_s'])} "
-                f"(batch {res['baseline_batch']}): ratio {_fmt(res['ratio'])}")
+                f"(batch {res['baseline_batch']}): ratio {_fmt(res['ratio'])}; {_gpu_path_note(res)}")
     if name == "environment":
         return str(res.get("gpu", res.get("device")))
     return ""
