@@ -266,6 +266,32 @@ def test_async_greedy_under_preemption_and_chunked_prefill(llama_dir, hf_greedy)
         assert per_request[f"r{i}"][-1].output_token_ids == hf_greedy(p, n), i
 
 
+def test_async_request_preempted_with_its_last_token_in_flight_finishes_from_the_queue(llama_dir, hf_greedy, monkeypatch):
+    """A request preempted while its last token is in flight, whose token then finishes it, leaves
+    from the waiting queue (found by search: 10 blocks, these prompts and lengths)."""
+    from worker.engine.request import RequestStatus
+    from worker.engine.scheduler import Scheduler
+
+    removed_while_waiting = []
+    original = Scheduler.remove
+
+    def remove(self, request):
+        removed_while_waiting.append(request.status is RequestStatus.WAITING)
+        return original(self, request)
+
+    monkeypatch.setattr(Scheduler, "remove", remove)
+    prompts = make_prompts(8, seed=2)
+    max_new = [5, 3, 8, 6, 4, 9, 7, 5]
+    engine = engine_for(llama_dir, async_scheduling="on", kv_cache_gb=kv_gb(llama_dir, 10, 4))
+    per_request = run_collecting(engine, greedy_requests(prompts, max_new))
+    assert any(removed_while_waiting) and engine.metrics.num_preemptions > 0
+    assert_deltas_consistent(per_request)
+    for i, (p, n) in enumerate(zip(prompts, max_new, strict=True)):
+        assert per_request[f"r{i}"][-1].output_token_ids == hf_greedy(p, n), i
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert not engine.scheduler.waiting and not engine.scheduler.running
+
+
 def test_async_with_graphs_matches_transformers(llama_dir, hf_greedy):
     """Both GPU-path features together, as they run on a GPU: pending decode tokens are filled on
     the device and then copied into the graph runner's static buffers."""

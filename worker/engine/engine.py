@@ -145,12 +145,18 @@ class _LaunchedStep:
     """A step whose forward and sampling were launched; its tokens may still be on the device."""
 
     requests: list[Request]  # the rows that sample, in row order
-    sampled: list[SampledToken] | None  # the tokens, when already on the host (synchronous step)
+    sampled: list[SampledToken] | None = None  # the tokens, when already on the host (synchronous step)
     host_ids: torch.Tensor | None = None  # otherwise: where the ids arrive (pinned on CUDA)
     ready: torch.cuda.Event | None = None  # recorded after the copy into host_ids (CUDA)
     forward_start: torch.cuda.Event | None = None  # CUDA timing of forward + sampling
     sampled_end: torch.cuda.Event | None = None
     host_model_s: float = 0.0  # forward + sampling wall time (what the CPU spent running them)
+
+    def mark_sampled(self) -> None:
+        """Sampling is launched: close the CUDA timing (nothing to do on the CPU)."""
+        if self.forward_start is not None:
+            self.sampled_end = torch.cuda.Event(enable_timing=True)
+            self.sampled_end.record()
 
     def model_seconds(self) -> float:
         """Forward + sampling time; on CUDA GPU time from events (complete once the ids are in)."""
@@ -426,32 +432,41 @@ class Engine:
             self.runner.set_pending_samples(None, [])  # consumed by this step's inputs
         if logits is None:
             return None
-        reqs = step_in.sample_requests
-        inputs = [r.sampling_inputs for r in reqs]
-        launched = _LaunchedStep(requests=reqs, sampled=None, forward_start=self.runner.forward_start)
-        cuda = logits.device.type == "cuda"
+        launched = _LaunchedStep(requests=step_in.sample_requests, forward_start=self.runner.forward_start)
         t0 = time.perf_counter()
         with torch.inference_mode():  # logits are inference tensors; the sampler edits them
-            wants_logprobs = any(inp.params.logprobs is not None for inp in inputs)
-            ids = None if wants_logprobs else self.sampler.sample_ids(logits, inputs)
-            if cuda:
-                launched.sampled_end = torch.cuda.Event(enable_timing=True)
-                launched.sampled_end.record()
-            if not overlapped:
-                launched.sampled = self.sampler(logits, inputs) if ids is None else [SampledToken(t) for t in ids.tolist()]
+            if overlapped:
+                self._sample_on_device(logits, launched)
             else:
-                self.runner.set_pending_samples(ids, reqs)
-                launched.host_ids = ids
-                if cuda:
-                    launched.host_ids = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
-                    launched.host_ids.copy_(ids, non_blocking=True)
-                    launched.ready = torch.cuda.Event()
-                    launched.ready.record()
-                for r in reqs:
-                    r.kv.token_ids.append(PENDING_TOKEN)
-                    r.sampling_inputs.num_pending_tokens += 1
+                self._sample_to_host(logits, launched)
         launched.host_model_s = self.runner.last_forward_s + time.perf_counter() - t0
         return launched
+
+    def _sample_to_host(self, logits: torch.Tensor, launched: _LaunchedStep) -> None:
+        inputs = [r.sampling_inputs for r in launched.requests]
+        if any(inp.params.logprobs is not None for inp in inputs):
+            launched.sampled = self.sampler(logits, inputs)
+            launched.mark_sampled()
+            return
+        ids = self.sampler.sample_ids(logits, inputs)
+        launched.mark_sampled()
+        launched.sampled = [SampledToken(t) for t in ids.tolist()]  # waits for the GPU
+
+    def _sample_on_device(self, logits: torch.Tensor, launched: _LaunchedStep) -> None:
+        reqs = launched.requests
+        ids = self.sampler.sample_ids(logits, [r.sampling_inputs for r in reqs])
+        launched.mark_sampled()
+        self.runner.set_pending_samples(ids, reqs)  # the next step's decode inputs
+        if ids.device.type == "cuda":
+            launched.host_ids = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+            launched.host_ids.copy_(ids, non_blocking=True)
+            launched.ready = torch.cuda.Event()
+            launched.ready.record()
+        else:
+            launched.host_ids = ids
+        for r in reqs:
+            r.kv.token_ids.append(PENDING_TOKEN)
+            r.sampling_inputs.num_pending_tokens += 1
 
     def _take_in(self, launched: _LaunchedStep, deltas: list[RequestDelta]) -> float:
         """Wait for an overlapped step's ids (the only wait on the GPU) and process its tokens."""
