@@ -406,3 +406,20 @@ def test_gpu_check_runs_the_gpu_path_and_reports_it(llama_dir):
     assert 0 < report["graph_steps"] <= report["engine_steps"]
     res = dict(ok=True, output_tok_s=10.0, fraction_of_ceiling=0.5, ceiling_tok_s=20.0, **report)
     assert "cuda graphs eager, async scheduling on" in gpu_check._headline("throughput", res)
+
+
+def test_a_failed_capture_falls_back_only_when_graphs_were_chosen_by_auto(llama_dir, monkeypatch):
+    from worker.engine import engine as engine_module
+    from worker.engine.cuda_graphs import DecodeGraphRunner
+
+    def failing_capture(self):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(DecodeGraphRunner, "capture", failing_capture)
+    with pytest.raises(RuntimeError, match="capturing"):
+        engine_for(llama_dir, attention_backend="triton", cuda_graphs="eager")
+    # "auto" picks graphs only on CUDA; pretend this is such a case.
+    monkeypatch.setattr(engine_module, "resolve_graph_mode", lambda mode, device, backend: "eager")
+    engine = engine_for(llama_dir, attention_backend="triton")
+    assert engine.graph_mode == "off" and engine.runner.graph_runner is None
+    assert engine.generate(greedy_requests(make_prompts(1), [2]))["r0"].finish_reason is FinishReason.LENGTH

@@ -232,7 +232,7 @@ class Engine:
             graph_mode=self.graph_mode,
         )
         # Graphs are captured now: the KV cache exists and no real step has run.
-        self.runner.capture_graphs()
+        self._capture_graphs()
         self.sampler = Sampler(seed=config.seed)
         self._in_flight: _LaunchedStep | None = None  # async scheduling: the step whose ids are on the way
         # Requests whose sampling needs their token history on the host every step (penalties,
@@ -250,6 +250,19 @@ class Engine:
         )
 
     # ------------------------------------------------------------------ set-up
+    def _capture_graphs(self) -> None:
+        """Capture the decode graphs. When they were only chosen by "auto", a capture that fails
+        (e.g. an op that cannot be captured on this GPU) leaves the engine running without graphs,
+        with a warning; asked for explicitly ("on"), the failure is raised."""
+        try:
+            self.runner.capture_graphs()
+        except Exception:
+            if self.config.cuda_graphs != "auto":
+                raise
+            log.warning("CUDA graph capture failed; decode steps run without graphs", exc_info=True)
+            self.runner.graph_runner = None
+            self.graph_mode = "off"
+
     def _graph_reserve_bytes(self) -> int:
         """GPU memory the decode graphs will hold (0 without captured graphs)."""
         if self.graph_mode != "on":
