@@ -33,6 +33,7 @@ from worker.engine.attention import AttentionMetadata
 from worker.engine.cuda_graphs import DecodeGraphRunner, capture_sizes
 from worker.engine.request import Request
 from worker.engine.scheduler import PENDING_TOKEN
+
 GRAPH_MODES = ("off", "on", "eager")
 
 
