@@ -212,11 +212,21 @@ def use_accelerator_rotary_table(engine):
         rope._grow_on_demand = False
 
 
+MIXED_SAMPLING = [dict(temperature=0.0), dict(temperature=0.8, top_k=20, seed=3), dict(temperature=1.0, min_p=0.05)]
+
+
 @pytest.mark.parametrize("async_scheduling", ["off", "on"])
-def test_a_decode_step_reads_only_the_sampled_ids_from_the_device(llama_dir, monkeypatch, async_scheduling):
+@pytest.mark.parametrize("sampling", ["greedy", "mixed"])
+def test_a_decode_step_reads_only_the_sampled_ids_from_the_device(llama_dir, monkeypatch, async_scheduling, sampling):
+    """Greedy rows, and greedy next to temperature / top-k / min-p rows (top-p and penalties may
+    wait for the GPU: see docs/engine.md)."""
     engine = engine_for(llama_dir, attention_backend="triton", cuda_graphs="eager", async_scheduling=async_scheduling)
     use_accelerator_rotary_table(engine)
-    for r in greedy_requests(make_prompts(3), [8, 8, 8]):
+    requests = greedy_requests(make_prompts(3), [8, 8, 8])
+    if sampling == "mixed":
+        for r, params in zip(requests, MIXED_SAMPLING, strict=True):
+            r.sampling = SamplingParams(max_tokens=8, ignore_eos=True, **params)
+    for r in requests:
         engine.add(r)
     engine.step()  # prefill
     engine.step()  # first decode (with async: takes in the prefill's tokens)
