@@ -119,12 +119,17 @@ def test_config_validates_the_gpu_path_modes(llama_dir):
 
 def test_cli_flags_reach_the_engine_config(monkeypatch):
     from worker.cli import _apply_env_defaults
+    from worker.config import EngineSettings
 
     parser = argparse.ArgumentParser()
     add_engine_options(parser, model_required=False)
-    assert "cuda_graphs" not in engine_kwargs(parser.parse_args([]))  # auto stays the config default
+    defaults = engine_kwargs(parser.parse_args([]))
+    assert defaults["cuda_graphs"] == "auto" and defaults["async_scheduling"] == "auto"
     kwargs = engine_kwargs(parser.parse_args(["--cuda-graphs", "eager", "--async-scheduling", "on"]))
     assert kwargs["cuda_graphs"] == "eager" and kwargs["async_scheduling"] == "on"
+    # The Kafka worker's settings carry them too (the worker builds its EngineConfig from them).
+    settings = EngineSettings(model="m", **kwargs)
+    assert settings.cuda_graphs == "eager" and settings.async_scheduling == "on"
     with pytest.raises(SystemExit):
         parser.parse_args(["--cuda-graphs", "maybe"])
     monkeypatch.setenv("TOKENMILL_CUDA_GRAPHS", "off")

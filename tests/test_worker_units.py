@@ -228,3 +228,16 @@ def test_token_events_and_result_from_deltas():
     wire = json.loads(answers.result_record(res, "results").value)
     assert wire["status"] == "ok" and wire["text"] == "abc" and wire["source"]["offset"] == 4
     assert wire["metadata"] == {"a": 1}
+
+
+def test_worker_engine_settings_match_engine_config_field_for_field():
+    # The worker builds its EngineConfig from every EngineSettings field: a field missing on either
+    # side would either crash the worker at start-up or leave an engine option unreachable from it.
+    from dataclasses import fields
+
+    from worker.config import EngineSettings
+    from worker.engine import EngineConfig
+
+    settings = {f.name: f.default for f in fields(EngineSettings)}
+    config = {f.name: f.default for f in fields(EngineConfig)}
+    assert settings == config

@@ -25,6 +25,8 @@ class EngineSettings:
     enable_prefix_caching: bool = True
     served_model_name: str | None = None
     seed: int = 0
+    cuda_graphs: str = "auto"  # auto|on|off|eager (see EngineConfig)
+    async_scheduling: str = "auto"  # auto|on|off
 
 
 @dataclass

@@ -59,16 +59,6 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         enable_prefix_caching=not args.no_prefix_caching,
         served_model_name=args.served_model_name,
         seed=args.seed,
-        **gpu_path_kwargs(args),
+        cuda_graphs=args.cuda_graphs,
+        async_scheduling=args.async_scheduling,
     )
-
-
-def gpu_path_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """cuda_graphs / async_scheduling, only where a flag (or its variable) moves them off "auto".
-
-    Left out at "auto" so that settings objects which do not carry these fields yet (the Kafka
-    worker's EngineSettings) keep taking engine_kwargs unchanged; EngineConfig defaults to "auto".
-    """
-    chosen = {"cuda_graphs": args.cuda_graphs, "async_scheduling": args.async_scheduling}
-    return {name: value for name, value in chosen.items() if value != "auto"}
-

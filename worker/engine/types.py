@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 
-class FinishReason(str, Enum):
+class FinishReason(str, Enum):  # noqa: UP042 (StrEnum would change str() and f-strings of members)
     STOP = "stop"  # EOS, a stop string or a stop token id
     LENGTH = "length"  # max_tokens, or the model's context length
     EXPIRED = "expired"  # deadline passed before the request started

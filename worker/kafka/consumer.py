@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.abc import ConsumerRebalanceListener
@@ -151,23 +151,9 @@ class KafkaWorker:
 
         e = self.s.engine
         model_dir = str(resolve_model_path(e.model))
-        return Engine(
-            EngineConfig(
-                model=model_dir,
-                dtype=e.dtype,
-                device=e.device,
-                attention_backend=e.attention_backend,
-                block_size=e.block_size,
-                kv_cache_gb=e.kv_cache_gb,
-                gpu_memory_fraction=e.gpu_memory_fraction,
-                max_num_batched_tokens=e.max_num_batched_tokens,
-                max_num_seqs=e.max_num_seqs,
-                max_model_len=e.max_model_len,
-                enable_prefix_caching=e.enable_prefix_caching,
-                served_model_name=e.served_model_name,
-                seed=e.seed,
-            )
-        )
+        # Every engine setting but the model (a local directory by now) goes through unchanged.
+        options = {f.name: getattr(e, f.name) for f in fields(e) if f.name != "model"}
+        return Engine(EngineConfig(model=model_dir, **options))
 
     async def run(self, install_signal_handlers: bool = True) -> int:
         loop = asyncio.get_running_loop()
