@@ -33,6 +33,12 @@ def test_dry_run_writes_a_complete_report_without_kafka_pydantic_or_boto3(tmp_pa
     assert list(sections) == [name for name, _ in gpu_check.SECTIONS]
     assert sections["kernels"]["passed"] >= 8 and sections["kernels"]["failed"] == 0
     assert sections["copy_bandwidth"]["bytes_per_s"] > 0
+    fid = sections["fidelity"]
+    # On the CPU the GPU path (eager graphs + async scheduling), the plain engine and transformers agree
+    # exactly; the graph path was really taken.
+    for key in ("gpu_path_vs_transformers", "plain_vs_transformers", "gpu_path_vs_plain"):
+        assert fid[key]["equal"] == fid[key]["of"] == 3, (key, fid[key])
+    assert fid["cuda_graphs"] == "eager" and fid["async_scheduling"] is True and fid["graph_steps"] > 0
     assert all(r["fraction_of_copy"] > 0 for r in sections["attention"]["runs"])
     assert [r["batch"] for r in sections["decode_step"]["runs"]] == [2, 4]
     assert all(r["step_ms"] > 0 and r["roofline_ms"] > 0 and r["graph_step_ms"] > 0

@@ -5,6 +5,8 @@
 Sections (each catches and reports its own failure, so one broken part never loses the others):
   environment      versions, device name, SM count
   kernels          every kernel against its torch reference (fp32, fp16 and, on CUDA, bf16)
+  fidelity         greedy tokens of the engine's GPU path (CUDA graphs + async scheduling) against
+                   transformers `generate` and against the same engine with both off (fp32)
   copy_bandwidth   device-to-device copy: bytes read + written per second; the roofline's yardstick
   attention        paged-attention decode: KV bytes read per second, as a fraction of copy bandwidth
   decode_step      ~1B Llama (bf16, random weights) decode step at batch 64 and 256 vs its roofline
@@ -65,12 +67,22 @@ class Sizes:
     mixed_output_range: tuple[int, int] = (16, 256)
     baseline_batches: tuple[int, ...] = (8, 32, 64)
     baseline_probe: int = 64
+    # fidelity: prompts (lengths in the range), greedy tokens each, on a small fp32 Llama
+    fidelity_prompts: int = 32
+    fidelity_prompt_range: tuple[int, int] = (8, 200)
+    fidelity_tokens: int = 32
+    fidelity_shape: dict[str, Any] = field(default_factory=lambda: dict(FIDELITY_LLAMA))
 
 
 LLAMA_1B = dict(  # Llama-3.2-1B shape
     vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
     num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True,
     max_position_embeddings=4096, rope_theta=500000.0,
+)
+FIDELITY_LLAMA = dict(  # small enough to build and run in seconds, big enough to have real GQA and depth
+    vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+    num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+    max_position_embeddings=1024,
 )
 TOY_LLAMA = dict(
     vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -130,6 +142,10 @@ def dry_sizes() -> Sizes:
         mixed_output_range=(2, 4),
         baseline_batches=(2, 4),
         baseline_probe=4,
+        fidelity_prompts=3,
+        fidelity_prompt_range=(3, 9),
+        fidelity_tokens=3,
+        fidelity_shape=dict(TOY_LLAMA),
     )
 
 
@@ -305,6 +321,67 @@ def section_kernels(ctx: Context) -> dict:
     checks = run_all(ctx.device, [dtype_of(d) for d in ctx.sizes.kernel_dtypes], cases)
     failed = [c for c in checks if not c["ok"]]
     return dict(ok=not failed, passed=len(checks) - len(failed), failed=len(failed), checks=checks)
+
+
+def section_fidelity(ctx: Context) -> dict:
+    """Greedy tokens of the engine's GPU path against transformers and against the plain engine.
+
+    fp32, a small seeded random Llama, prompts of mixed length run as one batch. Three runs: the
+    engine with CUDA graphs + async scheduling (as `auto` picks on CUDA), the engine with both off,
+    and transformers `generate` one prompt at a time (no padding). On a GPU, bit-exact agreement is
+    not guaranteed (padded graph batches and different GEMM shapes may round differently), so the
+    counts are reported for reading, with the first position where a sequence differs; the section
+    fails only if it cannot run. On the CPU (dry run) all three agree exactly (the suite checks it).
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from worker.engine.engine import Engine, EngineConfig
+    from worker.engine.types import EngineRequest, SamplingParams
+
+    sizes = ctx.sizes
+    model_dir = build_checkpoint(sizes.fidelity_shape, "float32", ctx.device, ctx.workdir / "fidelity_model")
+    rng = random.Random(11)
+    lo, hi = sizes.fidelity_prompt_range
+    vocab = sizes.fidelity_shape["vocab_size"]
+    prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(sizes.fidelity_prompts)]
+    new = sizes.fidelity_tokens
+
+    def engine_tokens(**gpu_path) -> tuple[list[list[int]], dict]:
+        engine = Engine(EngineConfig(
+            model=str(model_dir), device=str(ctx.device), dtype="float32", attention_backend="triton",
+            max_num_seqs=max(len(prompts), 2), kv_cache_gb=0.25 if ctx.device.type == "cuda" else 0.02, **gpu_path,
+        ))
+        requests = [EngineRequest(request_id=f"f{i}", prompt_token_ids=p,
+                                  sampling=SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True))
+                    for i, p in enumerate(prompts)]
+        done = engine.generate(requests)
+        tokens = [list(done[f"f{i}"].output_token_ids) for i in range(len(prompts))]
+        path = gpu_path_report(engine)
+        del engine
+        _release_memory(ctx.device)
+        return tokens, path
+
+    fast, path = engine_tokens(**gpu_path_options(ctx.device))
+    plain, _ = engine_tokens(cuda_graphs="off", async_scheduling="off")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(ctx.device).eval()
+    reference = []
+    with torch.inference_mode():
+        for p in prompts:
+            ids = torch.tensor([p], device=ctx.device)
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                                 do_sample=False, eos_token_id=None, pad_token_id=0)
+            reference.append(out[0, len(p):].tolist())
+    del model
+
+    def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
+        first = [next((j for j, (x, y) in enumerate(zip(s, t, strict=True)) if x != y), None) for s, t in zip(a, b, strict=True)]
+        return dict(equal=sum(f is None for f in first), of=len(first),
+                    first_difference_at=[f for f in first if f is not None])
+
+    return dict(prompts=len(prompts), tokens_each=new, prompt_tokens=sum(map(len, prompts)),
+                gpu_path_vs_transformers=agreement(fast, reference), plain_vs_transformers=agreement(plain, reference),
+                gpu_path_vs_plain=agreement(fast, plain), **path)
 
 
 def section_copy_bandwidth(ctx: Context) -> dict:
@@ -588,6 +665,7 @@ def section_mixed(ctx: Context) -> dict:
 SECTIONS: list[tuple[str, Callable[[Context], dict]]] = [
     ("environment", section_environment),
     ("kernels", section_kernels),
+    ("fidelity", section_fidelity),
     ("copy_bandwidth", section_copy_bandwidth),
     ("attention", section_attention),
     ("decode_step", section_decode_step),
@@ -670,6 +748,12 @@ def _headline(name: str, res: dict) -> str:
     if name == "mixed":
         return (f"engine {_fmt(res['engine_output_tok_s'])} tok/s vs transformers {_fmt(res['baseline_output_tok_s'])} "
                 f"(batch {res['baseline_batch']}): ratio {_fmt(res['ratio'])}; {_gpu_path_note(res)}")
+    if name == "fidelity":
+        def eq(key: str) -> str:
+            return f"{res[key]['equal']}/{res[key]['of']}"
+        return (f"greedy sequences equal: GPU path vs transformers {eq('gpu_path_vs_transformers')}, plain engine vs "
+                f"transformers {eq('plain_vs_transformers')}, GPU path vs plain engine {eq('gpu_path_vs_plain')}; "
+                f"{_gpu_path_note(res)}, {res['graph_steps']}/{res['engine_steps']} steps as graphs")
     if name == "environment":
         return str(res.get("gpu", res.get("device")))
     return ""
