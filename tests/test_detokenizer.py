@@ -451,3 +451,45 @@ def test_property_smollm2_released_text_is_decode_cut_at_first_stop(case):
     want, want_hit = expected_text(tok, ids, stops)
     assert "".join(pieces) == detok.text == want
     assert hit == want_hit
+
+
+def _first_index_containing(tok, ids, needle, start_char=0):
+    """Index of the first token after which the decoded text holds `needle` starting at or after start_char."""
+    for i in range(len(ids)):
+        if tok.decode(ids[: i + 1]).find(needle, start_char) >= 0:
+            return i
+    raise AssertionError(f"{needle!r} not in the text")
+
+
+@pytest.mark.parametrize("stop", ["stop", "op xy"])  # one token's text, and one spanning two tokens
+def test_stop_strings_count_only_from_the_first_checked_token(tokenizer, stop):
+    text = "abc stop xyz stop xyz end"
+    ids = encode(tokenizer, text)
+    first = text.index(stop)
+    second = text.index(stop, first + 1)
+    k = _first_index_containing(tokenizer, ids, stop)  # the token that completes the first occurrence
+
+    def feed(checked_from):
+        detok = IncrementalDetokenizer(tokenizer, [], [stop])
+        out = []
+        for i, t in enumerate(ids):
+            piece, hit = detok.add(t, check_stop=i >= checked_from)
+            out.append(piece)
+            if hit:
+                break
+        out.append(detok.flush())
+        return "".join(out), detok.stopped
+
+    # Checked from the token that completes the first occurrence: it counts (even if it started earlier).
+    assert feed(k) == (text[:first], True)
+    # Checked only from the token after it: the first occurrence is passed, the second ends the text.
+    assert feed(k + 1) == (text[:second], True)
+    # Never checked: everything comes out, nothing held back at the end.
+    assert feed(len(ids)) == (text, False)
+
+
+def test_find_first_stop_min_end():
+    assert find_first_stop("ab stop cd stop", ["stop"]) == 3
+    assert find_first_stop("ab stop cd stop", ["stop"], min_end=7) == 11  # the first ends at 7: not after it
+    assert find_first_stop("ab stop cd stop", ["stop"], min_end=6) == 3
+    assert find_first_stop("ab stop", ["stop"], min_end=7) is None

@@ -122,6 +122,28 @@ def test_stop_string_cuts_text(engine):
     assert got.output_text == text[: text.index(stop)]
 
 
+def test_stop_string_does_not_end_a_request_before_min_tokens(engine):
+    # vLLM's rule: a stop string counts only if it ends in text of a token after the first min_tokens.
+    base = engine.generate([req("probe3", max_tokens=16, temperature=0.0, ignore_eos=True)])["probe3"]
+    tok = engine.tokenizer
+    ids = base.output_token_ids
+    stop = base.output_text[1:3]
+    assert len(stop) == 2
+    early = engine.generate([req("ss-early", max_tokens=16, temperature=0.0, ignore_eos=True, stop=[stop])])["ss-early"]
+    assert early.output_text == base.output_text[: base.output_text.index(stop)]
+    min_tokens = 6
+    boundary = len(tok.decode(ids[:min_tokens], skip_special_tokens=True))  # text of the first 6 tokens
+    later = base.output_text.find(stop, boundary - len(stop) + 1)  # first occurrence ending after it
+    got = engine.generate([req("ss-min", max_tokens=16, temperature=0.0, ignore_eos=True, stop=[stop],
+                               min_tokens=min_tokens)])["ss-min"]
+    assert len(got.output_token_ids) > min_tokens or later < 0
+    if later < 0:
+        assert got.finish_reason is FinishReason.LENGTH and got.output_text == base.output_text
+    else:
+        assert got.finish_reason is FinishReason.STOP and got.output_text == base.output_text[:later]
+    assert len(got.output_text) >= len(early.output_text) + len(stop)  # the early occurrence was passed
+
+
 def test_logprobs_are_reported_per_token(engine):
     got = engine.generate([req("lp", max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=2)])
     deltas_lp = got["lp"].logprobs

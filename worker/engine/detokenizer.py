@@ -22,6 +22,11 @@ Two kinds of text are held back:
   is ever released. If several stop strings appear, the one that completes first wins (ties: the
   one that starts first), which is what stopping generation as soon as one appears gives.
 
+Stop strings and ``min_tokens`` (vLLM's rule): ``add(token, check_stop=False)`` for the tokens a
+request must generate anyway; from the first ``add`` with ``check_stop=True`` on, a stop string
+counts only if it ends in text decoded from that token on, so an occurrence that completed earlier
+never ends the request, while one that started earlier and completes now does.
+
 So the concatenation of everything ``add`` and ``flush`` return is exactly the final text, and it
 equals ``tokenizer.decode(output_ids, skip_special_tokens=...)`` cut before the first stop string
 (for byte-level BPE tokenizers such as GPT-2/Llama-3/Qwen/SmolLM2; SentencePiece tokenizers may
@@ -54,11 +59,14 @@ def make_decoder(tokenizer, skip_special_tokens: bool) -> Callable[[list[int]], 
     )
 
 
-def find_first_stop(text: str, stop: Sequence[str]) -> int | None:
-    """Start of the stop string that completes first in `text` (ties: earliest start), or None."""
+def find_first_stop(text: str, stop: Sequence[str], min_end: int = 0) -> int | None:
+    """Start of the stop string that completes first in `text` (ties: earliest start), or None.
+
+    Only occurrences that end after position `min_end` count.
+    """
     best: tuple[int, int] | None = None  # (end, start): the smallest wins
     for s in stop:
-        start = text.find(s)
+        start = text.find(s, max(0, min_end - len(s) + 1))
         if start >= 0 and (best is None or (start + len(s), start) < best):
             best = (start + len(s), start)
     return None if best is None else best[1]
@@ -103,6 +111,10 @@ class IncrementalDetokenizer:
         self._window_released = 0  # characters of the open window's new text already returned
         self._held = ""  # decoded text that could still start a stop string
         self._released: list[str] = []
+        self._released_len = 0  # characters in _released
+        # Where stop strings start to count (characters of the whole output text): set by the first
+        # add() with check_stop=True; None while no token has asked for stop checks.
+        self._stops_count_after: int | None = None
         self._stopped = False
         self._flushed = False
 
@@ -116,12 +128,18 @@ class IncrementalDetokenizer:
         """A stop string was hit (the text ends just before it)."""
         return self._stopped
 
-    def add(self, token_id: int) -> tuple[str, bool]:
-        """Append one generated token; returns (text released now, a stop string was hit)."""
+    def add(self, token_id: int, check_stop: bool = True) -> tuple[str, bool]:
+        """Append one generated token; returns (text released now, a stop string was hit).
+
+        check_stop=False: this token is one of the first `min_tokens`, so no stop string may end the
+        output yet (text that could start one is still held back, as it may complete later).
+        """
         if self._flushed:
             raise RuntimeError("add() after flush(): the request is already finished")
         if self._stopped:
             return "", True  # nothing after a stop string is ever released
+        if check_stop and self._stops_count_after is None:
+            self._stops_count_after = self._released_len + len(self._held)
         self._ids.append(int(token_id))
         piece = self._decode_new(final=False)
         if not piece:
@@ -169,7 +187,9 @@ class IncrementalDetokenizer:
 
     def _release(self, piece: str, final: bool = False) -> tuple[str, bool]:
         text = self._held + piece
-        cut = find_first_stop(text, self._stop) if self._stop else None
+        cut = None
+        if self._stop and self._stops_count_after is not None:
+            cut = find_first_stop(text, self._stop, min_end=self._stops_count_after - self._released_len)
         if cut is not None:
             released, self._held, self._stopped = text[:cut], "", True
         else:
@@ -177,4 +197,5 @@ class IncrementalDetokenizer:
             released, self._held = text[: len(text) - keep], text[len(text) - keep :]
         if released:
             self._released.append(released)
+            self._released_len += len(released)
         return released, self._stopped

@@ -518,7 +518,8 @@ class Engine:
             ):
                 reason = FinishReason.STOP  # the stop token itself adds no text
             else:
-                text, stop_hit = req.detokenizer.add(tok)
+                # vLLM's rule: stop strings end a request only once min_tokens tokens are out.
+                text, stop_hit = req.detokenizer.add(tok, check_stop=n_out > params.min_tokens)
                 if stop_hit:
                     reason = FinishReason.STOP
                 elif n_out >= params.max_tokens or n_out + req.num_prompt_tokens >= max_len:
