@@ -1,4 +1,5 @@
-"""Kafka connection flags shared by the client commands (produce, tail, backfill, demo)."""
+"""Kafka connection and security flags, shared by the worker and the client commands
+(produce, tail, backfill, demo), so every command accepts the same options with the same meaning."""
 
 from __future__ import annotations
 
@@ -11,21 +12,30 @@ def add_kafka_client_args(parser: argparse.ArgumentParser, *, required: bool = T
     g = parser.add_argument_group("Kafka connection")
     g.add_argument("--bootstrap-servers", required=required, metavar="HOST:PORT[,...]",
                    help="Kafka bootstrap servers")
-    g.add_argument("--security-protocol", default="PLAINTEXT", choices=SECURITY_PROTOCOLS)
-    g.add_argument("--sasl-mechanism", choices=SASL_MECHANISMS)
-    g.add_argument("--sasl-username")
-    g.add_argument("--sasl-password", help="prefer --sasl-password-file or TOKENMILL_SASL_PASSWORD")
-    g.add_argument("--sasl-password-file", metavar="PATH")
-    g.add_argument("--ssl-cafile", metavar="PATH")
-    g.add_argument("--ssl-certfile", metavar="PATH")
-    g.add_argument("--ssl-keyfile", metavar="PATH")
+    add_kafka_security_args(g)
 
 
-def kafka_client_kwargs(args: argparse.Namespace) -> dict:
-    """aiokafka keyword arguments from the flags; ValueError names every bad combination."""
+def add_kafka_security_args(group) -> None:
+    """SSL and SASL (PLAIN / SCRAM) options on an argument parser or group."""
+    group.add_argument("--security-protocol", default="PLAINTEXT", choices=SECURITY_PROTOCOLS)
+    group.add_argument("--sasl-mechanism", default=None, choices=SASL_MECHANISMS)
+    group.add_argument("--sasl-username", default=None)
+    group.add_argument("--sasl-password", default=None,
+                       help="prefer TOKENMILL_SASL_PASSWORD or --sasl-password-file (flags show in `ps`)")
+    group.add_argument("--sasl-password-file", default=None, metavar="PATH")
+    group.add_argument("--ssl-cafile", default=None, metavar="PATH")
+    group.add_argument("--ssl-certfile", default=None, metavar="PATH")
+    group.add_argument("--ssl-keyfile", default=None, metavar="PATH")
+    group.add_argument("--ssl-key-password-file", default=None, metavar="PATH")
+    group.add_argument("--ssl-no-check-hostname", action="store_true",
+                       help="do not check the broker certificate's host name (test set-ups only)")
+
+
+def kafka_security_from_args(args: argparse.Namespace):
+    """KafkaSecurity from the flags of add_kafka_security_args (secrets read from files or flags)."""
     from worker.kafka.security import KafkaSecurity, read_secret
 
-    sec = KafkaSecurity(
+    return KafkaSecurity(
         protocol=args.security_protocol,
         sasl_mechanism=args.sasl_mechanism,
         sasl_username=args.sasl_username,
@@ -33,5 +43,11 @@ def kafka_client_kwargs(args: argparse.Namespace) -> dict:
         ssl_cafile=args.ssl_cafile,
         ssl_certfile=args.ssl_certfile,
         ssl_keyfile=args.ssl_keyfile,
+        ssl_key_password=read_secret(None, args.ssl_key_password_file, "SSL key password"),
+        ssl_check_hostname=not args.ssl_no_check_hostname,
     )
-    return sec.aiokafka_kwargs()
+
+
+def kafka_client_kwargs(args: argparse.Namespace) -> dict:
+    """aiokafka keyword arguments from the flags; ValueError names every bad combination."""
+    return kafka_security_from_args(args).aiokafka_kwargs()

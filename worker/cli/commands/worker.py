@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from worker.cli.commands._kafka_client import add_kafka_security_args, kafka_security_from_args
 from worker.cli.engine_options import add_engine_options, engine_kwargs
 
 
@@ -70,26 +71,13 @@ def register(subparsers) -> None:
     o.add_argument("--metrics-host", default="0.0.0.0")
     o.add_argument("--log-level", default="INFO")
 
-    s = p.add_argument_group("Security (SSL, SASL PLAIN / SCRAM)")
-    s.add_argument("--security-protocol", default="PLAINTEXT",
-                   choices=["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"])
-    s.add_argument("--sasl-mechanism", default=None, choices=["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"])
-    s.add_argument("--sasl-username", default=None)
-    s.add_argument("--sasl-password", default=None,
-                   help="prefer TOKENMILL_SASL_PASSWORD or --sasl-password-file (flags show in `ps`)")
-    s.add_argument("--sasl-password-file", default=None)
-    s.add_argument("--ssl-cafile", default=None)
-    s.add_argument("--ssl-certfile", default=None)
-    s.add_argument("--ssl-keyfile", default=None)
-    s.add_argument("--ssl-key-password-file", default=None)
-    s.add_argument("--ssl-no-check-hostname", action="store_true")
+    add_kafka_security_args(p.add_argument_group("Security (SSL, SASL PLAIN / SCRAM)"))
     p.set_defaults(func=run)
 
 
 def settings_from_args(args):
     from worker.config import EngineSettings, WorkerSettings
     from worker.kafka.backpressure import BackpressurePolicy
-    from worker.kafka.security import KafkaSecurity, read_secret
 
     engine = EngineSettings(model=args.model, **engine_kwargs(args))
     waiting_high = args.backpressure_waiting_high or 2 * args.max_num_seqs
@@ -100,17 +88,7 @@ def settings_from_args(args):
         kv_high=kv_high,
         kv_low=max(0.0, kv_high - 0.15),
     )
-    security = KafkaSecurity(
-        protocol=args.security_protocol,
-        sasl_mechanism=args.sasl_mechanism,
-        sasl_username=args.sasl_username,
-        sasl_password=read_secret(args.sasl_password, args.sasl_password_file, "SASL password"),
-        ssl_cafile=args.ssl_cafile,
-        ssl_certfile=args.ssl_certfile,
-        ssl_keyfile=args.ssl_keyfile,
-        ssl_key_password=read_secret(None, args.ssl_key_password_file, "SSL key password"),
-        ssl_check_hostname=not args.ssl_no_check_hostname,
-    )
+    security = kafka_security_from_args(args)
     settings = WorkerSettings(
         bootstrap_servers=args.bootstrap_servers,
         engine=engine,
