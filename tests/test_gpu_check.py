@@ -55,13 +55,17 @@ def test_a_failing_section_does_not_lose_the_others(tmp_path, monkeypatch):
     def broken(ctx):
         raise RuntimeError("boom")
 
+    def failed_checks(ctx):  # a section may also report failure without raising (e.g. kernel checks)
+        return {"ok": False, "passed": 3, "failed": 1}
+
     monkeypatch.setattr(gpu_check, "SECTIONS", [("environment", gpu_check.section_environment),
                                                 ("attention", broken),
+                                                ("kernels", failed_checks),
                                                 ("copy_bandwidth", gpu_check.section_copy_bandwidth)])
     rc = gpu_check.main(["--dry-run", "--out", str(tmp_path)])
     assert rc == 1
     report = json.loads((tmp_path / "gpu_check.json").read_text())
-    assert report["failed"] == ["attention"]
+    assert report["failed"] == ["attention", "kernels"]
     assert "boom" in report["sections"]["attention"]["error"]
     assert report["sections"]["copy_bandwidth"]["ok"] and report["sections"]["environment"]["ok"]
     assert "## attention failed" in (tmp_path / "gpu_check.md").read_text()

@@ -235,7 +235,8 @@ def run_section(name: str, fn: Callable[[Context], dict], ctx: Context) -> dict:
         result = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
     result["seconds"] = round(time.perf_counter() - t0, 2)
     _release_memory(ctx.device)
-    print(f"[gpu_check] {name}: {'ok' if result['ok'] else 'FAILED ' + result['error']} ({result['seconds']} s)",
+    print(f"[gpu_check] {name}: {'ok' if result['ok'] else 'FAILED ' + result.get('error', 'failed checks')} "
+          f"({result['seconds']} s)",
           flush=True)
     return result
 
