@@ -26,7 +26,7 @@ from worker.engine.block_manager import BlockManager
 from worker.engine.cuda_graphs import graph_memory_bytes
 from worker.engine.model_runner import ModelRunner, StepInputs
 from worker.engine.request import Request, RequestStatus
-from worker.engine.sampler import SampledToken
+from worker.engine.sampler import SampledToken, has_penalties
 from worker.engine.scheduler import PENDING_TOKEN, Scheduler, SchedulerConfig, SchedulerOutput
 from worker.engine.types import (
     EngineRequest,
@@ -658,12 +658,7 @@ class Engine:
 
 def _needs_host_history(params) -> bool:
     """Sampling that reads the request's token history or per-token host results every step."""
-    return (
-        params.logprobs is not None
-        or params.repetition_penalty != 1.0
-        or params.presence_penalty != 0.0
-        or params.frequency_penalty != 0.0
-    )
+    return params.logprobs is not None or has_penalties(params)
 
 
 def _resolve_pending(req: Request, token_id: int) -> None:

@@ -122,7 +122,7 @@ def is_greedy(params: SamplingParams) -> bool:
     return params.temperature < GREEDY_TEMPERATURE
 
 
-def _has_penalties(params: SamplingParams) -> bool:
+def has_penalties(params: SamplingParams) -> bool:
     return (
         params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
     )
@@ -216,7 +216,7 @@ class Sampler:
             if (
                 not is_greedy(p)
                 or p.logprobs is not None
-                or _has_penalties(p)
+                or has_penalties(p)
                 or (p.min_tokens and _min_tokens_blocked_ids(inp))
             ):
                 return False
@@ -359,7 +359,7 @@ def _edits(logits: torch.Tensor, inputs: Sequence[SamplingInputs]) -> list[tuple
     positions: list[torch.Tensor] = []
     values: list[torch.Tensor] = []
 
-    penalised = [i for i, inp in enumerate(inputs) if _has_penalties(inp.params)]
+    penalised = [i for i, inp in enumerate(inputs) if has_penalties(inp.params)]
     if penalised:
         out_pos, prompt_pos = [], []
         for i in penalised:
