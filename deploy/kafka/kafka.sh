@@ -176,8 +176,15 @@ read_port() {  # read_port DATA_DIR KEY -> value from D/ports, empty if none
 }
 
 new_cluster_id() {
-    # A Kafka Uuid: 16 random bytes, URL-safe base64 without padding (22 characters).
-    head -c 16 /dev/urandom | base64 | tr '+/' '-_' | tr -d '=\n'
+    # A Kafka Uuid: 16 random bytes, URL-safe base64 without padding (22 characters). One id in
+    # 64 would start with '-', which the storage tool's argument parser takes for an option (and
+    # then fails with "--cluster-id: expected one argument"); like Kafka's own Uuid.randomUuid we
+    # draw again until it does not.
+    local id
+    while :; do
+        id="$(head -c 16 /dev/urandom | base64 | tr '+/' '-_' | tr -d '=\n')"
+        [[ "$id" == -* ]] || { echo "$id"; return; }
+    done
 }
 
 log_tail() {
