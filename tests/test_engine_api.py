@@ -181,3 +181,26 @@ def test_messages_and_text_prompts_are_tokenized(engine):
     r2 = EngineRequest(request_id="p", prompt="hello world", sampling=SamplingParams(max_tokens=2))
     got = engine.generate([r1, r2])
     assert got["m"].usage.prompt_tokens > got["p"].usage.prompt_tokens > 0
+
+
+def test_steps_past_prefill_compute_the_last_layer_only_for_sampling_rows(tiny_qwen2_dir):
+    """A step with prompt tokens hands the model OutputRows (the last token of each sampling row);
+    a pure decode step does not need them."""
+    engine = Engine(EngineConfig(model=str(tiny_qwen2_dir), dtype="float32", kv_cache_gb=0.01,
+                                 max_num_batched_tokens=32))
+    seen = []
+    forward = engine.model.forward
+
+    def spy(input_ids, positions, meta, kv_caches, output_rows=None):
+        hidden = forward(input_ids, positions, meta, kv_caches, output_rows)
+        rows = None if output_rows is None else output_rows.index.tolist()
+        seen.append((input_ids.shape[0], rows, hidden.shape[0]))
+        return hidden
+
+    engine.model.forward = spy
+    # 20 + 30 prompt tokens under a 32-token budget: the second prompt is chunked over two steps.
+    engine.generate([req("a", list(range(10, 30)), max_tokens=3, ignore_eos=True),
+                     req("b", list(range(40, 70)), max_tokens=3, ignore_eos=True)])
+    assert seen[0] == (32, [19], 1)  # a's whole prompt samples; b's first 12 tokens do not
+    assert seen[1][1] == [0, 18] and seen[1][2] == 2  # a decodes; b's last 18 prompt tokens end there
+    assert all(rows is None and tokens == out for tokens, rows, out in seen[2:])  # decode only

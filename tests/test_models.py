@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tests.paged_helpers import PagedKV, run_step
+from worker.engine.attention import AttentionMetadata, OutputRows
 from worker.engine.attention.torch_backend import TorchAttentionBackend
 from worker.engine.loader import load_model
 
@@ -80,6 +81,60 @@ def test_mixed_batch_equals_each_sequence_alone(models, use_cpu_kernel):
     for (name, new), hidden in zip(batch, rows, strict=True):
         want = expected[name][len(prompts[name]) - len(new):]
         torch.testing.assert_close(ours.compute_logits(hidden), want, atol=ATOL, rtol=0, msg=name)
+
+
+def _output_rows(meta, batch, sampling):
+    """OutputRows for the last token of each row named in `sampling` (as the model runner builds them)."""
+    starts = meta.query_start_loc_cpu
+    picked = [i for i, (name, _) in enumerate(batch) if name in sampling]
+    lens = [meta.seq_lens_cpu[i] for i in picked]
+    return OutputRows(
+        index=torch.tensor([starts[i + 1] - 1 for i in picked], dtype=torch.long),
+        meta=AttentionMetadata(
+            query_start_loc=torch.arange(len(picked) + 1, dtype=torch.int32),
+            seq_lens=torch.tensor(lens, dtype=torch.int32),
+            block_tables=meta.block_tables[picked].contiguous(),
+            slot_mapping=meta.slot_mapping[:0],
+            max_query_len=1,
+            max_seq_len=max(lens, default=0),
+            query_start_loc_cpu=list(range(len(picked) + 1)),
+            seq_lens_cpu=lens,
+        ),
+    )
+
+
+@pytest.mark.parametrize("use_cpu_kernel", [True, False], ids=["c-kernel", "torch"])
+def test_output_rows_skip_the_last_layer_for_other_tokens_only(models, use_cpu_kernel):
+    """With OutputRows the last layer stops at its K/V write for every other token: the rows asked
+    for equal the full forward's, and every layer's cache is bit for bit what the full forward wrote
+    (later steps depend on it), also when no row samples."""
+    ours, cfg, _ = models
+    ours.attention_backend = TorchAttentionBackend(use_cpu_kernel=use_cpu_kernel)
+    prompts = {name: prompt(cfg, n, seed=40 + i) for i, (name, n) in enumerate(
+        [("dec", 19), ("fresh", 23), ("chunk", 37), ("one", 1)]
+    )}
+    full_kv, trim_kv = (PagedKV.for_model(cfg, num_blocks=32, block_size=8, seed=6) for _ in range(2))
+    steps = [
+        # A prompt chunk that does not sample, alone: nothing is needed past the K/V write.
+        ([("chunk", prompts["chunk"][:20])], set()),
+        ([("dec", prompts["dec"][:-1]), ("chunk", prompts["chunk"][20:30])], {"dec"}),
+        # Decode, a fresh prompt, a chunk that still does not sample, a one-token prompt.
+        ([("dec", prompts["dec"][-1:]), ("fresh", prompts["fresh"]), ("chunk", prompts["chunk"][30:36]),
+          ("one", prompts["one"])], {"dec", "fresh", "one"}),
+    ]
+    try:
+        for batch, sampling in steps:
+            ids, pos, meta = full_kv.step(batch)
+            full = ours(ids, pos, meta, full_kv.kv_caches)
+            ids, pos, meta = trim_kv.step(batch)
+            rows = _output_rows(meta, batch, sampling)
+            trimmed = ours(ids, pos, meta, trim_kv.kv_caches, rows)
+            assert trimmed.shape == (len(sampling), cfg.hidden_size)
+            torch.testing.assert_close(trimmed, full.index_select(0, rows.index), atol=1e-5, rtol=0)
+            for (fk, fv), (tk, tv) in zip(full_kv.kv_caches, trim_kv.kv_caches, strict=True):
+                assert torch.equal(fk, tk) and torch.equal(fv, tv)
+    finally:
+        ours.attention_backend = TorchAttentionBackend()
 
 
 def test_many_decode_rows_in_several_buckets_match(models):

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from worker.engine.attention import AttentionMetadata
+from worker.engine.attention import AttentionMetadata, OutputRows
 from worker.engine.cuda_graphs import DecodeGraphRunner, capture_sizes
 from worker.engine.request import Request
 from worker.engine.scheduler import PENDING_TOKEN
@@ -191,7 +191,10 @@ class ModelRunner:
                 "query_start_loc": (seqs + 1, torch.int32),
                 "seq_lens": (seqs, torch.int32),
                 "block_tables": (seqs * width, torch.int32),
-                "logits_index": (seqs, torch.int64),
+                "output_index": (seqs, torch.int64),
+                "output_query_start_loc": (seqs + 1, torch.int32),
+                "output_seq_lens": (seqs, torch.int32),
+                "output_block_tables": (seqs * width, torch.int32),
                 "pending_dst": (seqs, torch.int64),
                 "pending_src": (seqs, torch.int64),
             },
@@ -234,7 +237,7 @@ class ModelRunner:
     # ------------------------------------------------------------------ one step
     def prepare(
         self, requests: Sequence[Request], num_new_tokens: Sequence[int]
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor | None, StepInputs]:
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, OutputRows | None, StepInputs]:
         bs = self.block_size
         num_seqs = len(requests)
         rows = self._sync_rows(requests)
@@ -300,10 +303,28 @@ class ModelRunner:
             dst, src = dev("pending_dst", pending[0]), dev("pending_src", pending[1])
             input_ids.index_copy_(0, dst, self._prev_sampled.index_select(0, src))
         pos_t = dev("positions", np.ascontiguousarray(positions))
-        idx = None if logits_index is None else dev("logits_index", logits_index)
+        output_rows = None
+        if logits_index is not None:
+            out_lens = seq_lens[samples]
+            out_width = -(-int(out_lens.max()) // bs) if len(out_lens) else 0
+            output_rows = OutputRows(
+                index=dev("output_index", logits_index),
+                meta=AttentionMetadata(
+                    query_start_loc=dev("output_query_start_loc", np.arange(len(out_lens) + 1, dtype=np.int32)),
+                    seq_lens=dev("output_seq_lens", out_lens.astype(np.int32)),
+                    block_tables=dev(
+                        "output_block_tables", np.ascontiguousarray(block_tables[samples, :out_width])
+                    ),
+                    slot_mapping=meta.slot_mapping[:0],  # writes nothing: the K/V is in place already
+                    max_query_len=1,
+                    max_seq_len=int(out_lens.max()) if len(out_lens) else 0,
+                    query_start_loc_cpu=list(range(len(out_lens) + 1)),
+                    seq_lens_cpu=out_lens.tolist(),
+                ),
+            )
         if staging is not None:
             staging.end_step()
-        return input_ids, pos_t, meta, idx, stats
+        return input_ids, pos_t, meta, output_rows, stats
 
     def _pending_inputs(
         self, requests: Sequence[Request], ids: np.ndarray, qsl: np.ndarray, ctx: np.ndarray,
@@ -377,34 +398,33 @@ class ModelRunner:
         on CUDA, forward_start is a CUDA event recorded just before the forward, for timing it.
         """
         # Metadata is built outside inference mode: backends may key per-step plans on tensor versions.
-        input_ids, positions, meta, logits_index, stats = self.prepare(requests, num_new_tokens)
+        input_ids, positions, meta, output_rows, stats = self.prepare(requests, num_new_tokens)
         self.forward_start = None
         if self.device.type == "cuda":
             self.forward_start = torch.cuda.Event(enable_timing=True)
             self.forward_start.record()
         t0 = time.perf_counter()
         with torch.inference_mode():
-            if self._graph_can_run(meta, logits_index, stats):
+            if self._graph_can_run(meta, output_rows, stats):
                 logits = self.graph_runner.run(input_ids, positions, meta)
                 self.num_graph_steps += 1
             else:
-                logits = self._forward(input_ids, positions, meta, logits_index, stats)
+                logits = self._forward(input_ids, positions, meta, output_rows, stats)
         self.last_forward_s = time.perf_counter() - t0
         return logits, stats
 
-    def _graph_can_run(self, meta: AttentionMetadata, logits_index: torch.Tensor | None, stats: StepInputs) -> bool:
+    def _graph_can_run(self, meta: AttentionMetadata, output_rows: OutputRows | None, stats: StepInputs) -> bool:
         """A decode-only step where every row samples, in a size the graph runner holds."""
         return (
             self.graph_runner is not None
-            and logits_index is None
+            and output_rows is None
             and stats.num_tokens == stats.num_seqs == len(stats.sample_requests)
             and self.graph_runner.can_run(meta)
         )
 
-    def _forward(self, input_ids, positions, meta, logits_index, stats) -> torch.Tensor | None:
-        hidden = self.model(input_ids, positions, meta, self.kv_caches)
+    def _forward(self, input_ids, positions, meta, output_rows, stats) -> torch.Tensor | None:
+        # With output_rows (any step that is not pure decode) the hidden states are those rows only.
+        hidden = self.model(input_ids, positions, meta, self.kv_caches, output_rows)
         if not stats.sample_requests:
             return None
-        if logits_index is not None:
-            hidden = hidden.index_select(0, logits_index)
         return self.model.compute_logits(hidden, out=self._logits_buffer(hidden))

@@ -40,6 +40,20 @@ class AttentionMetadata:
         return self.query_start_loc_cpu[-1]
 
 
+@dataclass
+class OutputRows:
+    """The tokens of a step whose final hidden state is needed (the last token of each sampling
+    sequence), and metadata that attends for them alone.
+
+    Only these rows matter after the last layer has written its K/V, so that layer can run its
+    attention, output projection and MLP for them only: for a prompt, 1 token instead of all of them.
+    `meta` is decode-shaped: one query row per entry of `index`, with that sequence's full length.
+    """
+
+    index: torch.Tensor  # int64 [n]: rows of the step's packed tokens, in sampling order
+    meta: AttentionMetadata
+
+
 class AttentionBackend(Protocol):
     name: str
 

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.engine.attention import AttentionBackend, AttentionMetadata
+from worker.engine.attention import AttentionBackend, AttentionMetadata, OutputRows
 from worker.engine.layers import RotaryEmbedding, rms_norm
 from worker.engine.model_config import CheckpointError, ModelConfig
 from worker.engine.models.ops import RopeInputs, TorchOps, TritonOps, make_ops
@@ -57,14 +57,20 @@ class DecoderLayer(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         backend: AttentionBackend,
         ops: TorchOps | TritonOps,
+        output_rows: OutputRows | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """output_rows: compute only these rows past the K/V write (the last layer; see OutputRows)."""
         x, residual = ops.add_rms_norm(hidden, residual, self.input_norm, self.eps)
-        x = self._attention(x, rope, meta, kv_cache, backend, ops)
+        x = self._attention(x, rope, meta, kv_cache, backend, ops, output_rows)
+        if output_rows is not None:
+            if x.shape[0] == 0:  # no token samples: the K/V write was all this layer owed
+                return x, x
+            residual = residual.index_select(0, output_rows.index)
         x, residual = ops.add_rms_norm(x, residual, self.post_attention_norm, self.eps)
         x = F.linear(ops.silu_and_mul(F.linear(x, self.gate_up_weight)), self.down_weight)
         return x, residual
 
-    def _attention(self, x, rope, meta, kv_cache, backend, ops) -> torch.Tensor:
+    def _attention(self, x, rope, meta, kv_cache, backend, ops, output_rows=None) -> torch.Tensor:
         t = x.shape[0]
         qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
         qk = qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
@@ -74,6 +80,12 @@ class DecoderLayer(nn.Module):
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         key_cache, value_cache = kv_cache
         backend.write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
+        if output_rows is not None:
+            # Every token's K/V is in the cache now; only the output rows need the rest.
+            q, meta = q.index_select(0, output_rows.index), output_rows.meta
+            t = q.shape[0]
+            if t == 0:
+                return x.new_empty(0, x.shape[1])
         out = backend.attend(q, key_cache, value_cache, meta, self.scale)
         return F.linear(out.reshape(t, self.q_size), self.o_weight, self.o_bias)
 
@@ -105,14 +117,24 @@ class DecoderForCausalLM(nn.Module):
         positions: torch.Tensor,
         meta: AttentionMetadata,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        output_rows: OutputRows | None = None,
     ) -> torch.Tensor:
+        """Final hidden states [T, hidden], or [len(output_rows.index), hidden] for those rows only.
+
+        With output_rows the last layer stops at its K/V write for every other token: in a prefill
+        step that skips most of one layer's attention, output projection and MLP.
+        """
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"got {len(kv_caches)} KV cache pairs for {len(self.layers)} layers")
         hidden = F.embedding(input_ids, self.embed_tokens)
         rope = self.ops.rope_inputs(positions, self.config.dtype)
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(hidden, residual, rope, meta, kv_cache, self.attention_backend, self.ops)
+        last = len(self.layers) - 1
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            rows = output_rows if i == last else None
+            hidden, residual = layer(hidden, residual, rope, meta, kv_cache, self.attention_backend, self.ops, rows)
+        if hidden.shape[0] == 0:
+            return hidden
         return self.ops.add_rms_norm(hidden, residual, self.norm, self.config.rms_norm_eps)[0]
 
     @torch.inference_mode()
