@@ -24,6 +24,7 @@ import torch
 
 from worker.engine.block_manager import BlockManager
 from worker.engine.cuda_graphs import graph_memory_bytes
+from worker.engine.host_memory import keep_freed_memory
 from worker.engine.model_runner import ModelRunner, StepInputs
 from worker.engine.request import Request, RequestStatus
 from worker.engine.sampler import SampledToken, has_penalties
@@ -183,6 +184,8 @@ class Engine:
 
         self.config = config
         self.device = resolve_device(config.device)
+        if self.device.type == "cpu":
+            keep_freed_memory()  # steps stop re-faulting their activations' pages (see host_memory)
         backend = get_attention_backend(config.attention_backend, self.device)
         self.model, self.model_config = load_model(
             config.model, dtype=config.dtype, device=self.device, attention_backend=backend

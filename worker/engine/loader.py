@@ -7,10 +7,7 @@ one CheckpointError that names it; tensors are checked by name and shape before 
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import logging
-import sys
 from pathlib import Path
 
 import torch
@@ -63,25 +60,6 @@ def _tensor_names(files: list[Path]) -> dict[str, Path]:
     return where
 
 
-def keep_freed_memory_for_reuse() -> None:
-    """Stop glibc from returning large freed blocks to the OS after every step (Linux, CPU runs).
-
-    A CPU step allocates many tensors of several MB (gathered K/V, activations, logits). By default
-    glibc maps each such block fresh and unmaps it on free, so every step page-faults the same memory
-    in again: measured 3-6x slower than reusing it. Raising the mmap and trim thresholds keeps the
-    freed memory in the heap for the next step. Process-wide and harmless elsewhere, so best effort.
-    """
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        m_trim_threshold, m_mmap_threshold = -1, -3
-        libc.mallopt(m_mmap_threshold, 1 << 30)
-        libc.mallopt(m_trim_threshold, 1 << 32 if sys.maxsize > 2**32 else 1 << 30)
-    except (OSError, AttributeError):  # not glibc (e.g. musl): nothing to tune
-        log.debug("mallopt unavailable; CPU allocator left as is")
-
-
 def load_model(
     path: str | Path,
     *,
@@ -104,8 +82,6 @@ def load_model(
     if "lm_head.weight" not in where and not cfg.tie_word_embeddings:
         # No separate output projection stored: the checkpoint ties it to the input embedding.
         cfg.tie_word_embeddings = True
-    if device.type == "cpu":
-        keep_freed_memory_for_reuse()
 
     model = MODEL_CLASSES[cfg.architecture](cfg, attention_backend, device, layer_ops=layer_ops)
     needed = model.checkpoint_tensor_names()

@@ -1,0 +1,73 @@
+"""glibc malloc tuning for the CPU engine (worker/engine/host_memory.py): freed activation memory
+stays mapped, so steps stop faulting their pages in again; a user's own malloc choice is kept."""
+
+import os
+import platform
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from worker.engine.host_memory import skip_reason
+
+# Prefill-like steps of a small model: per layer a wide MLP activation and a narrower one, small
+# tensors in between, over chunks of varying length; then the minor page faults of a second pass.
+_STEPS = textwrap.dedent("""
+    import resource, sys
+    import torch
+    from worker.engine.host_memory import keep_freed_memory
+    print(keep_freed_memory())
+
+    def steps():
+        for t in (2048, 1500, 2048, 900, 2048, 1800) * 3:
+            x = torch.ones(t, 256)
+            for _ in range(4):
+                small = [torch.ones(64) for _ in range(10)]
+                a = torch.ones(t, 1376)
+                b = torch.ones(t, 688)
+                del a
+                x = torch.ones(t, 256) + x
+                del b, small
+            logits = torch.ones(t // 4, 40000)  # above glibc's largest adaptive mmap threshold (32 MiB)
+            del logits
+
+    steps()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    steps()
+    print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+""")
+
+
+def _faults(**env) -> tuple[str, int]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
+    out = subprocess.run([sys.executable, "-c", _STEPS], env={**clean, **env}, capture_output=True, text=True,
+                         check=True, timeout=120).stdout.splitlines()
+    return out[0], int(out[1])
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc malloc only")
+def test_tuned_process_reuses_freed_activation_memory():
+    state, tuned = _faults()
+    assert state == "tuned"
+    left_alone, default = _faults(TOKENMILL_MALLOC_TUNING="0")
+    assert left_alone == "skipped: TOKENMILL_MALLOC_TUNING=0"
+    # Default glibc gives pages back between steps and faults them in again (at least the blocks
+    # above its largest adaptive mmap threshold: ~18 x 10,000 pages here); tuned, it keeps them.
+    assert default > 100_000 and tuned < default / 20, (tuned, default)
+
+
+@pytest.mark.parametrize(("env", "why"), [
+    ({"TOKENMILL_MALLOC_TUNING": "0"}, "TOKENMILL_MALLOC_TUNING=0"),
+    ({"MALLOC_TOP_PAD_": "1048576"}, "MALLOC_TOP_PAD_"),
+    ({"MALLOC_TRIM_THRESHOLD_": "0", "MALLOC_MMAP_THRESHOLD_": "1"}, "MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_"),
+    ({"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=0"}, "GLIBC_TUNABLES"),
+    ({"LD_PRELOAD": "/usr/lib/libtcmalloc_minimal.so.4"}, "another allocator"),
+])
+def test_a_users_own_malloc_choice_is_left_alone(env, why):
+    assert why in skip_reason(env)
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc malloc only")
+def test_unrelated_environment_does_not_stop_tuning():
+    assert skip_reason({"GLIBC_TUNABLES": "glibc.cpu.hwcaps=-AVX512F", "LD_PRELOAD": "libfoo.so"}) is None
