@@ -137,6 +137,18 @@ def test_output_rows_skip_the_last_layer_for_other_tokens_only(models, use_cpu_k
         ours.attention_backend = TorchAttentionBackend()
 
 
+def test_lm_head_gives_the_bits_of_f_linear_for_any_row_count(models):
+    """The CPU LM head multiplies by a transposed copy of the weight from 4 rows up; greedy outputs
+    stay identical to the reference only if that changes no bit of any logit."""
+    ours, cfg, _ = models
+    for rows in (1, 3, 4, 5, 15, 16, 17, 64):
+        hidden = torch.randn(rows, cfg.hidden_size, generator=torch.Generator().manual_seed(rows))
+        want = torch.nn.functional.linear(hidden, ours.lm_head)
+        assert torch.equal(ours.compute_logits(hidden), want), rows
+        out = torch.empty(rows, cfg.vocab_size)
+        assert torch.equal(ours.compute_logits(hidden, out=out), want), rows
+
+
 def test_many_decode_rows_in_several_buckets_match(models):
     """Enough decode rows of spread lengths that the backend splits them into several buckets."""
     ours, cfg, ref = models
