@@ -306,18 +306,18 @@ class ModelRunner:
         output_rows = None
         if logits_index is not None:
             out_lens = seq_lens[samples]
-            out_width = -(-int(out_lens.max()) // bs) if len(out_lens) else 0
+            out_max = int(out_lens.max()) if len(out_lens) else 0
             output_rows = OutputRows(
                 index=dev("output_index", logits_index),
                 meta=AttentionMetadata(
                     query_start_loc=dev("output_query_start_loc", np.arange(len(out_lens) + 1, dtype=np.int32)),
                     seq_lens=dev("output_seq_lens", out_lens.astype(np.int32)),
                     block_tables=dev(
-                        "output_block_tables", np.ascontiguousarray(block_tables[samples, :out_width])
+                        "output_block_tables", np.ascontiguousarray(block_tables[samples, : -(-out_max // bs)])
                     ),
                     slot_mapping=meta.slot_mapping[:0],  # writes nothing: the K/V is in place already
                     max_query_len=1,
-                    max_seq_len=int(out_lens.max()) if len(out_lens) else 0,
+                    max_seq_len=out_max,
                     query_start_loc_cpu=list(range(len(out_lens) + 1)),
                     seq_lens_cpu=out_lens.tolist(),
                 ),
