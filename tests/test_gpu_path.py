@@ -119,7 +119,6 @@ def test_config_validates_the_gpu_path_modes(llama_dir):
 
 def test_cli_flags_reach_the_engine_config(monkeypatch):
     from worker.cli import _apply_env_defaults
-    from worker.config import EngineSettings
 
     parser = argparse.ArgumentParser()
     add_engine_options(parser, model_required=False)
@@ -127,8 +126,8 @@ def test_cli_flags_reach_the_engine_config(monkeypatch):
     assert defaults["cuda_graphs"] == "auto" and defaults["async_scheduling"] == "auto"
     kwargs = engine_kwargs(parser.parse_args(["--cuda-graphs", "eager", "--async-scheduling", "on"]))
     assert kwargs["cuda_graphs"] == "eager" and kwargs["async_scheduling"] == "on"
-    # The Kafka worker's settings carry them too (the worker builds its EngineConfig from them).
-    settings = EngineSettings(model="m", **kwargs)
+    # The Kafka worker's settings embed the EngineConfig built from them.
+    settings = EngineConfig(model="m", **kwargs)
     assert settings.cuda_graphs == "eager" and settings.async_scheduling == "on"
     with pytest.raises(SystemExit):
         parser.parse_args(["--cuda-graphs", "maybe"])

@@ -230,14 +230,12 @@ def test_token_events_and_result_from_deltas():
     assert wire["metadata"] == {"a": 1}
 
 
-def test_worker_engine_settings_match_engine_config_field_for_field():
-    # The worker builds its EngineConfig from every EngineSettings field: a field missing on either
-    # side would either crash the worker at start-up or leave an engine option unreachable from it.
-    from dataclasses import fields
+def test_worker_settings_embed_the_engine_config_itself():
+    # The worker hands its EngineConfig to the engine unchanged (the model path resolved): there is
+    # no second list of engine fields that could miss one.
+    import typing
 
-    from worker.config import EngineSettings
+    from worker.config import WorkerSettings
     from worker.engine import EngineConfig
 
-    settings = {f.name: f.default for f in fields(EngineSettings)}
-    config = {f.name: f.default for f in fields(EngineConfig)}
-    assert settings == config
+    assert typing.get_type_hints(WorkerSettings)["engine"] is EngineConfig

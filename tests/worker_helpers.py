@@ -150,11 +150,12 @@ async def wait_for(predicate: Callable[[], object], timeout: float, interval: fl
 # -- workers ---------------------------------------------------------------------------------------
 def worker_settings(bootstrap: str, topics: Topics, model_dir: str, **over):
     """Settings for an in-process worker, tuned for 2 CPU cores and quick tests."""
-    from worker.config import EngineSettings, WorkerSettings
+    from worker.config import WorkerSettings
+    from worker.engine.config import EngineConfig
 
     s = WorkerSettings(
         bootstrap_servers=bootstrap,
-        engine=EngineSettings(model=str(model_dir), max_num_seqs=64, max_num_batched_tokens=1024, kv_cache_gb=0.05),
+        engine=EngineConfig(model=str(model_dir), max_num_seqs=64, max_num_batched_tokens=1024, kv_cache_gb=0.05),
         group_id=topics.group, jobs_topic=topics.jobs, results_topic=topics.results,
         tokens_topic=topics.tokens, dlq_topic=topics.dlq, commit_interval_s=0.2, session_timeout_ms=6000,
         heartbeat_interval_ms=1000, drain_timeout_s=20, revoke_grace_s=1.0,

@@ -43,7 +43,7 @@ async def _through_kafka(bootstrap: str, model_dir: Path, work, engine_options: 
     from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
     from tools.bench import Workload, _engine_requests
-    from worker.config import EngineSettings, WorkerSettings
+    from worker.config import WorkerSettings
     from worker.engine import Engine, EngineConfig
     from worker.kafka.admin import create_topic
     from worker.kafka.consumer import KafkaWorker
@@ -70,7 +70,7 @@ async def _through_kafka(bootstrap: str, model_dir: Path, work, engine_options: 
 
     settings = WorkerSettings(
         bootstrap_servers=bootstrap,
-        engine=EngineSettings(model=str(model_dir)),
+        engine=EngineConfig(model=str(model_dir)),
         group_id=f"bench-{tag}", jobs_topic=topics["jobs"], results_topic=topics["results"],
         tokens_topic=topics["tokens"], dlq_topic=topics["dlq"], commit_interval_s=0.5,
     )

@@ -1,4 +1,7 @@
-"""Settings of one `tokenmill worker` process (filled from flags / TOKENMILL_* variables)."""
+"""Settings of one `tokenmill worker` process (filled from flags / TOKENMILL_* variables).
+
+The engine's settings are the engine's own EngineConfig (worker/engine/config.py, torch-free),
+embedded, not copied."""
 
 from __future__ import annotations
 
@@ -6,33 +9,15 @@ import os
 import socket
 from dataclasses import dataclass, field
 
+from worker.engine.config import EngineConfig
 from worker.kafka.backpressure import BackpressurePolicy
 from worker.kafka.security import KafkaSecurity
 
 
 @dataclass
-class EngineSettings:
-    model: str
-    dtype: str = "auto"
-    device: str = "auto"
-    attention_backend: str = "auto"
-    block_size: int = 16
-    kv_cache_gb: float | None = None
-    gpu_memory_fraction: float = 0.85
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 256
-    max_model_len: int | None = None
-    enable_prefix_caching: bool = True
-    served_model_name: str | None = None
-    seed: int = 0
-    cuda_graphs: str = "auto"  # auto|on|off|eager (see EngineConfig)
-    async_scheduling: str = "auto"  # auto|on|off
-
-
-@dataclass
 class WorkerSettings:
     bootstrap_servers: str
-    engine: EngineSettings
+    engine: EngineConfig
     group_id: str = "tokenmill"
     jobs_topic: str = "tokenmill.jobs"
     results_topic: str = "tokenmill.results"

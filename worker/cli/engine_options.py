@@ -1,9 +1,23 @@
-"""Engine flags shared by the offline commands (run-batch, bench): one definition, one mapping."""
+"""Engine flags, derived from EngineConfig's fields (worker/engine/config.py), for every command
+that starts an engine (run-batch, worker, bench, backfill).
+
+A field becomes ``--field-name`` (or its ``flag``), with the field's default, choices, help and
+bounds; ``TOKENMILL_*`` variables follow from the flag name (worker/cli/__init__.py). Nothing
+here names a setting: a new EngineConfig field gets its flag without touching this file.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import types
+import typing
+from collections.abc import Callable, Collection
 from typing import Any
+
+from worker.engine.config import EngineConfig, check_setting, describe_bounds
+
+ENGINE_GROUP_TITLE = "engine"
 
 
 def positive_int(text: str) -> int:
@@ -20,45 +34,77 @@ def positive_float(text: str) -> float:
     return value
 
 
-def add_engine_options(parser: argparse.ArgumentParser, *, model_required: bool = True) -> None:
-    e = parser.add_argument_group("engine")
-    if model_required:
-        e.add_argument("--model", required=True, help="checkpoint directory or s3://bucket/prefix/")
-    e.add_argument("--served-model-name", default=None, help="model name in Results (default: directory name)")
-    e.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    e.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N")
-    e.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
-    e.add_argument("--block-size", type=positive_int, default=16, help="KV cache block size in tokens")
-    e.add_argument("--kv-cache-gb", type=positive_float, default=None,
-                   help="KV cache size (default: a fraction of free GPU memory; 2 GiB on CPU)")
-    e.add_argument("--gpu-memory-fraction", type=positive_float, default=0.85)
-    e.add_argument("--max-num-batched-tokens", type=positive_int, default=2048, help="token budget per step")
-    e.add_argument("--max-num-seqs", type=positive_int, default=256, help="sequences per step")
-    e.add_argument("--max-model-len", type=positive_int, default=None)
-    e.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
-    e.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
-    e.add_argument("--cuda-graphs", default="auto", choices=["auto", "on", "off", "eager"],
-                   help="decode steps as CUDA graphs (auto: on for CUDA with the triton backend; "
-                        "eager: the same padded path without capture)")
-    e.add_argument("--async-scheduling", default="auto", choices=["auto", "on", "off"],
-                   help="prepare step N+1 while step N runs on the GPU (auto: on for CUDA)")
+def non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
 
 
-def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """EngineConfig keyword arguments (all but `model`) from parsed flags."""
-    return dict(
-        dtype=args.dtype,
-        device=args.device,
-        attention_backend=args.attention_backend,
-        block_size=args.block_size,
-        kv_cache_gb=args.kv_cache_gb,
-        gpu_memory_fraction=args.gpu_memory_fraction,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len,
-        enable_prefix_caching=not args.no_prefix_caching,
-        served_model_name=args.served_model_name,
-        seed=args.seed,
-        cuda_graphs=args.cuda_graphs,
-        async_scheduling=args.async_scheduling,
-    )
+def engine_fields(exclude: Collection[str] = ()) -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(EngineConfig) if f.name not in exclude]
+
+
+def flag_of(f: dataclasses.Field) -> str:
+    return f.metadata["flag"] or "--" + f.name.replace("_", "-")
+
+
+def _scalar_type(f: dataclasses.Field) -> type:
+    """The field's type without ``| None`` (annotations are strings under ``from __future__``)."""
+    hint = typing.get_type_hints(EngineConfig)[f.name]
+    if isinstance(hint, types.UnionType):
+        hint = next(t for t in hint.__args__ if t is not type(None))
+    return hint
+
+
+def _parser_of(f: dataclasses.Field, kind: type) -> Callable[[str], Any]:
+    """A flag value parser that checks the field's bounds with argparse's own error."""
+    meta = f.metadata
+
+    def parse(text: str) -> Any:
+        value = kind(text)
+        if check_setting(f, value) is not None:
+            raise argparse.ArgumentTypeError(f"must be {describe_bounds(meta)}, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its "invalid int value" message
+    return parse
+
+
+def add_engine_options(
+    parser: argparse.ArgumentParser, *, model_required: bool = True, exclude: Collection[str] = ()
+) -> argparse._ArgumentGroup:
+    """One flag per EngineConfig field. ``model_required=False`` leaves ``--model`` to the caller
+    (bench names bundled models, backfill reads a served name); ``exclude`` drops fields whose
+    flag name the command already uses for something else (backfill's ``--seed`` is the
+    sampling seed)."""
+    group = parser.add_argument_group(ENGINE_GROUP_TITLE)
+    skip = set(exclude) | (set() if model_required else {"model"})
+    for f in engine_fields(skip):
+        meta = f.metadata
+        kind = _scalar_type(f)
+        flag = flag_of(f)
+        if kind is bool:
+            action = "store_false" if meta["negated_flag"] else "store_true"
+            group.add_argument(flag, dest=f.name, action=action, help=meta["help"])
+            continue
+        kwargs: dict[str, Any] = {"dest": f.name, "help": meta["help"]}
+        if f.default is dataclasses.MISSING:
+            kwargs["required"] = True
+        else:
+            kwargs["default"] = f.default
+        if meta["choices"] is not None:
+            kwargs["choices"] = list(meta["choices"])
+        elif kind in (int, float):
+            kwargs["type"] = _parser_of(f, kind)
+        group.add_argument(flag, **kwargs)
+    return group
+
+
+def engine_kwargs(args: argparse.Namespace, exclude: Collection[str] = ("model",)) -> dict[str, Any]:
+    """EngineConfig keyword arguments (all but ``exclude``) from parsed flags."""
+    return {f.name: getattr(args, f.name) for f in engine_fields(exclude)}
+
+
+def engine_config_from_args(args: argparse.Namespace, model: str, **overrides: Any) -> EngineConfig:
+    return EngineConfig(model=model, **{**engine_kwargs(args), **overrides})

@@ -5,9 +5,11 @@ Imports nothing from Kafka, pydantic schemas or boto3 (it must run alone on a GP
 
 from typing import TYPE_CHECKING
 
+from worker.engine.config import EngineConfig
 from worker.engine.types import (
     EngineRequest,
     EngineStats,
+    ErrorKind,
     FinishReason,
     RequestDelta,
     SamplingParams,
@@ -21,6 +23,7 @@ __all__ = [
     "EngineConfig",
     "EngineRequest",
     "EngineStats",
+    "ErrorKind",
     "FinishReason",
     "RequestDelta",
     "SamplingParams",
@@ -30,12 +33,12 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from worker.engine.engine import Engine, EngineConfig
+    from worker.engine.engine import Engine
 
 
 def __getattr__(name: str):
     # Engine pulls in torch; loading it lazily keeps `import worker.engine.types` (and the CLI) light.
-    if name in ("Engine", "EngineConfig"):
+    if name == "Engine":
         from worker.engine import engine
 
         return getattr(engine, name)

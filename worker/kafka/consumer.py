@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, replace
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.abc import ConsumerRebalanceListener
@@ -64,7 +64,6 @@ class InFlightJob:
     log: object
     next_index: int = 0
     token_sink: list = field(default_factory=list)
-    logprobs: list | None = None  # gathered from every delta when the job asked for them
     submitted: bool = False
 
     @property
@@ -146,14 +145,11 @@ class KafkaWorker:
         return AIOKafkaProducer(transactional_id=txn_id, transaction_timeout_ms=60_000, **self._producer_kwargs())
 
     def _load_engine(self):
-        from worker.engine import Engine, EngineConfig
+        from worker.engine import Engine
         from worker.storage.checkpoint import resolve_model_path
 
-        e = self.s.engine
-        model_dir = str(resolve_model_path(e.model))
-        # Every engine setting but the model (a local directory by now) goes through unchanged.
-        options = {f.name: getattr(e, f.name) for f in fields(e) if f.name != "model"}
-        return Engine(EngineConfig(model=model_dir, **options))
+        # Every engine setting goes through unchanged; the model becomes a local directory.
+        return Engine(replace(self.s.engine, model=str(resolve_model_path(self.s.engine.model))))
 
     async def run(self, install_signal_handlers: bool = True) -> int:
         loop = asyncio.get_running_loop()
@@ -512,7 +508,7 @@ class KafkaWorker:
             )
             return
         job.submitted = True
-        self._engine_thread.submit(request, every_delta=job.job.stream or job.job.sampling.logprobs is not None)
+        self._engine_thread.submit(request, every_delta=job.job.stream)
         job.log.debug("submitted to engine", attempt=job.attempt)
 
     def _release_tenant(self, job: InFlightJob, submit_next: bool = True) -> None:
@@ -558,8 +554,6 @@ class KafkaWorker:
             job = self._jobs.get(delta.request_id)
             if job is None:
                 continue  # aborted (revoked partition or shutdown)
-            if delta.logprobs:
-                job.logprobs = (job.logprobs or []) + list(delta.logprobs)
             if job.job.stream and (delta.new_token_ids or delta.text_delta or delta.finished):
                 payload = answers.token_event(job.job.job_id, job.attempt, job.next_index, delta)
                 job.next_index += 1
@@ -585,7 +579,7 @@ class KafkaWorker:
         try:
             result = answers.build_result(
                 job.job, delta, model=self.served_model_name, worker=self.s.worker_name, attempt=job.attempt,
-                source=source, logprobs=job.logprobs if job.job.sampling.logprobs is not None else None,
+                source=source,
             )
         except ValueError as exc:  # an engine outcome the contract cannot express: say so, do not drop
             result = answers.error_result(

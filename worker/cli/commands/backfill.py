@@ -7,6 +7,10 @@ import json
 import sys
 
 from worker.cli.commands._kafka_client import add_kafka_client_args, kafka_client_kwargs
+from worker.cli.engine_options import add_engine_options, engine_kwargs, positive_int
+
+# --model is the served name or the checkpoint; --seed is the jobs' sampling seed.
+LOCAL_ENGINE_EXCLUDED = ("model", "seed")
 
 
 def register(subparsers) -> None:
@@ -56,12 +60,9 @@ def register(subparsers) -> None:
     k.add_argument("--results-topic", default="tokenmill.results")
     add_kafka_client_args(p, required=False)
     loc = p.add_argument_group("local engine")
-    loc.add_argument("--max-in-flight", type=int, default=64, help="requests inside the engine at once")
-    loc.add_argument("--max-num-seqs", type=int)
-    loc.add_argument("--max-num-batched-tokens", type=int)
-    loc.add_argument("--kv-cache-gb", type=float)
-    loc.add_argument("--dtype")
-    loc.add_argument("--device")
+    loc.add_argument("--max-in-flight", type=positive_int, default=64, help="requests inside the engine at once")
+    # Every engine setting, as run-batch has them; --seed above is the sampling seed of the jobs.
+    add_engine_options(p, model_required=False, exclude=LOCAL_ENGINE_EXCLUDED)
     p.set_defaults(func=handle)
 
 
@@ -98,11 +99,7 @@ def handle(args: argparse.Namespace) -> int:
             tenant=args.tenant,
             metadata_columns=tuple(c for c in args.metadata_columns.split(",") if c),
         )
-        engine_options = {
-            name: getattr(args, name)
-            for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_gb", "dtype", "device")
-            if getattr(args, name) is not None
-        }
+        engine_options = engine_kwargs(args, exclude=LOCAL_ENGINE_EXCLUDED)
         cfg = BackfillConfig(
             input=args.input, output=args.output, spec=spec, engine=args.engine,
             input_format=args.input_format, output_format=args.output_format, dataset_id=args.dataset_id,

@@ -2,24 +2,13 @@
 
 from __future__ import annotations
 
-import argparse
-
 from worker.cli.commands._kafka_client import add_kafka_security_args, kafka_security_from_args
-from worker.cli.engine_options import add_engine_options, engine_kwargs
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text}: must be >= 1")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    value = float(text)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"{text}: must be >= 0")
-    return value
+from worker.cli.engine_options import (
+    add_engine_options,
+    engine_config_from_args,
+    non_negative_float,
+    positive_int,
+)
 
 
 def register(subparsers) -> None:
@@ -44,22 +33,22 @@ def register(subparsers) -> None:
     )
     k.add_argument("--instance-id", default=None, help="static group membership id (no rebalance on restart)")
     k.add_argument("--worker-name", default=None, help="name in Results and attempt ids (default host-pid)")
-    k.add_argument("--session-timeout-ms", type=_positive_int, default=10_000)
+    k.add_argument("--session-timeout-ms", type=positive_int, default=10_000)
     k.add_argument("--commit-interval", type=float, default=1.0, help="seconds between watermark commits")
 
     d = p.add_argument_group("Delivery")
-    d.add_argument("--drain-timeout", type=_non_negative_float, default=30.0,
+    d.add_argument("--drain-timeout", type=non_negative_float, default=30.0,
                    help="seconds in-flight jobs get to finish on shutdown (default 30)")
-    d.add_argument("--revoke-grace", type=_non_negative_float, default=5.0,
+    d.add_argument("--revoke-grace", type=non_negative_float, default=5.0,
                    help="seconds a revoked partition's in-flight jobs get to finish (default 5)")
-    d.add_argument("--max-inflight-per-partition", type=_positive_int, default=1024,
+    d.add_argument("--max-inflight-per-partition", type=positive_int, default=1024,
                    help="cap on offsets between a partition's commit point and its fetch position")
     d.add_argument("--max-inflight-per-tenant", type=int, default=0,
                    help="jobs of one tenant running at once (0 = no cap)")
     d.add_argument("--bad-input-ratio", type=float, default=0.9,
                    help="stop the worker when this share of the last --bad-input-window inputs was bad")
-    d.add_argument("--bad-input-window", type=_positive_int, default=200)
-    d.add_argument("--backpressure-waiting-high", type=_positive_int, default=None,
+    d.add_argument("--bad-input-window", type=positive_int, default=200)
+    d.add_argument("--backpressure-waiting-high", type=positive_int, default=None,
                    help="pause fetching above this many waiting requests (default 2 x --max-num-seqs)")
     d.add_argument("--backpressure-kv-high", type=float, default=0.95, help="pause fetching above this KV usage")
 
@@ -76,10 +65,10 @@ def register(subparsers) -> None:
 
 
 def settings_from_args(args):
-    from worker.config import EngineSettings, WorkerSettings
+    from worker.config import WorkerSettings
     from worker.kafka.backpressure import BackpressurePolicy
 
-    engine = EngineSettings(model=args.model, **engine_kwargs(args))
+    engine = engine_config_from_args(args, args.model)
     waiting_high = args.backpressure_waiting_high or 2 * args.max_num_seqs
     kv_high = args.backpressure_kv_high
     backpressure = BackpressurePolicy(

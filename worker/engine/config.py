@@ -1,0 +1,110 @@
+"""EngineConfig: the one definition of every engine setting.
+
+Each field carries its default, its bounds or choices and its help text (``setting(...)``).
+The engine validates itself from that metadata, and the commands that start an engine
+(``run-batch``, ``worker``, ``bench``, ``backfill``) derive their flags, defaults, choices, help
+and ``TOKENMILL_*`` variables from it (``worker/cli/engine_options.py``). A new engine setting is
+one ``setting(...)`` line here plus its use in the engine.
+
+Torch-free on purpose: the worker's settings embed this dataclass, and the Kafka side and the CLI
+import it without loading torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any
+
+# CPU has no "free accelerator memory" to take a fraction of: the KV cache gets this much.
+CPU_DEFAULT_KV_GB = 2.0
+
+
+def setting(
+    default: Any = MISSING,
+    *,
+    help: str,
+    choices: tuple[str, ...] | None = None,
+    minimum: float | None = None,
+    above: float | None = None,
+    maximum: float | None = None,
+    flag: str | None = None,
+    negated_flag: bool = False,
+) -> Any:
+    """A dataclass field with what a flag and a validation need.
+
+    ``minimum``/``maximum`` are inclusive bounds, ``above`` an exclusive lower bound; None values
+    are allowed when the default is None. ``flag`` overrides the derived ``--field-name``;
+    ``negated_flag`` makes a bool field a store-false flag (``--no-prefix-caching``).
+    """
+    meta = {
+        "help": help,
+        "choices": choices,
+        "minimum": minimum,
+        "above": above,
+        "maximum": maximum,
+        "flag": flag,
+        "negated_flag": negated_flag,
+    }
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class EngineConfig:
+    model: str = setting(help="checkpoint directory or s3://bucket/prefix/")
+    dtype: str = setting("auto", help="weights and KV cache dtype",
+                         choices=("auto", "float32", "bfloat16", "float16"))
+    device: str = setting("auto", help="auto (cuda if available), cpu, cuda, cuda:N")
+    attention_backend: str = setting("auto", help="attention kernels", choices=("auto", "torch", "triton"))
+    block_size: int = setting(16, help="KV cache block size in tokens", minimum=1)
+    kv_cache_gb: float | None = setting(
+        None, help=f"KV cache size (default: a fraction of free GPU memory; {CPU_DEFAULT_KV_GB:g} GiB on CPU)",
+        above=0,
+    )
+    gpu_memory_fraction: float = setting(0.85, help="share of GPU memory the engine may use", above=0, maximum=1)
+    max_num_batched_tokens: int = setting(2048, help="token budget per step", minimum=1)
+    max_num_seqs: int = setting(256, help="sequences per step", minimum=1)
+    max_model_len: int | None = setting(None, help="longest sequence (default: the model's)", minimum=1)
+    enable_prefix_caching: bool = setting(True, help="turn the prefix cache off", flag="--no-prefix-caching",
+                                          negated_flag=True)
+    served_model_name: str | None = setting(None, help="model name in Results (default: directory name)")
+    seed: int = setting(0, help="seed of unseeded sampling")
+    # "eager" runs the same padded static-buffer path without capture (how the CPU tests it).
+    cuda_graphs: str = setting(
+        "auto", choices=("auto", "on", "off", "eager"),
+        help="decode steps as CUDA graphs (auto: on for CUDA with the triton backend; "
+             "eager: the same padded path without capture)",
+    )
+    # "on" forces it also on the CPU, where it runs the same code without any overlap.
+    async_scheduling: str = setting("auto", choices=("auto", "on", "off"),
+                                    help="prepare step N+1 while step N runs on the GPU (auto: on for CUDA)")
+
+    def __post_init__(self) -> None:
+        problems = [p for f in fields(self) if (p := check_setting(f, getattr(self, f.name)))]
+        if problems:
+            raise ValueError("; ".join(problems))
+
+
+def check_setting(f, value: Any) -> str | None:
+    """The problem with one field's value, or None."""
+    meta = f.metadata
+    if value is None and f.default is None:
+        return None
+    if meta["choices"] is not None:
+        ok = value in meta["choices"]
+        return None if ok else f"{f.name} must be one of {', '.join(meta['choices'])}, got {value!r}"
+    low, above, high = meta["minimum"], meta["above"], meta["maximum"]
+    ok = (low is None or value >= low) and (above is None or value > above) and (high is None or value <= high)
+    return None if ok else f"{f.name} must be {describe_bounds(meta)}"
+
+
+def describe_bounds(meta) -> str:
+    """'>= 1', '> 0', 'in (0, 1]' ... for a setting's metadata (also used in flag errors)."""
+    low, above, high = meta["minimum"], meta["above"], meta["maximum"]
+    if high is not None and (low is not None or above is not None):
+        left = f"[{low:g}" if low is not None else f"({above:g}"
+        return f"in {left}, {high:g}]"
+    if low is not None:
+        return f">= {low:g}"
+    if above is not None:
+        return f"> {above:g}"
+    return f"<= {high:g}"
