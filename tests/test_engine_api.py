@@ -5,7 +5,7 @@ import time
 import pytest
 
 from worker.engine import Engine, EngineConfig
-from worker.engine.types import EngineRequest, FinishReason, SamplingParams
+from worker.engine.types import EngineRequest, ErrorKind, FinishReason, SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +75,7 @@ def test_prompt_too_long_finishes_with_error_at_next_step(engine):
     deltas = engine.step()
     (d,) = [d for d in deltas if d.request_id == "long"]
     assert d.finished and d.finish_reason is FinishReason.ERROR
-    assert d.error.startswith("prompt_too_long:")
+    assert d.error_kind is ErrorKind.PROMPT_TOO_LONG and "297 tokens" in d.error
     assert engine.count_prompt_tokens(req("x", list(range(3, 300)))) == 297
 
 

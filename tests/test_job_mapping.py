@@ -8,14 +8,22 @@ import sys
 
 import pytest
 
-from schemas import Job, Result, Source, decode_job
-from worker.engine.types import FinishReason, RequestDelta, SamplingParams, Timing, TokenLogprob, Usage
+from schemas import ERROR_CODES, Job, Result, Source, decode_job
+from worker.engine.types import (
+    ErrorKind,
+    FinishReason,
+    RequestDelta,
+    SamplingParams,
+    Timing,
+    TokenLogprob,
+    Usage,
+)
 from worker.job_mapping import (
+    ENGINE_ERROR_CODES,
     build_result,
     error_result,
     job_to_engine_request,
     new_attempt_id,
-    split_engine_error,
 )
 
 SAMPLING = {
@@ -121,24 +129,39 @@ def test_expired_result():
 
 
 @pytest.mark.parametrize(
-    "engine_error,code,message",
+    "kind,engine_error,code,message",
     [
         (
-            "prompt_too_long: prompt has 5000 tokens, the model allows 4096",
+            ErrorKind.PROMPT_TOO_LONG,
+            "prompt has 5000 tokens, the model allows 4096",
             "prompt_too_long",
             "prompt has 5000 tokens, the model allows 4096",
         ),
-        ("model_mismatch: wants m2", "model_mismatch", "wants m2"),
-        ("CUDA error: out of memory", "internal", "CUDA error: out of memory"),
-        (None, "internal", "the engine failed without a message"),
+        (ErrorKind.INVALID_REQUEST, "token id 99999 out of range", "invalid_job", "token id 99999 out of range"),
+        (ErrorKind.INTERNAL, "CUDA error: out of memory", "internal", "CUDA error: out of memory"),
+        (None, None, "internal", "the engine failed without a message"),
     ],
 )
-def test_error_result_codes(engine_error, code, message):
+def test_error_result_codes(kind, engine_error, code, message):
     r = build_result(
-        job(), final(FinishReason.ERROR, error=engine_error, output_token_ids=None, output_text=None), **WHO
+        job(),
+        final(FinishReason.ERROR, error_kind=kind, error=engine_error, output_token_ids=None, output_text=None),
+        **WHO,
     )
     assert r.status == "error" and r.error.code == code and r.error.message == message
     assert r.text == "" and r.token_ids == [] and r.finish_reason is None
+
+
+def test_every_engine_error_kind_maps_to_a_contract_code():
+    assert set(ENGINE_ERROR_CODES) == set(ErrorKind)
+    assert set(ENGINE_ERROR_CODES.values()) <= set(ERROR_CODES)
+
+
+def test_a_code_written_into_the_message_is_not_parsed_back():
+    r = build_result(job(), final(FinishReason.ERROR, error_kind=ErrorKind.INTERNAL,
+                                  error="prompt_too_long: looks like a code", output_token_ids=None,
+                                  output_text=None), **WHO)
+    assert r.error.code == "internal" and r.error.message == "prompt_too_long: looks like a code"
 
 
 def test_aborted_is_an_internal_error():
@@ -159,7 +182,7 @@ def lp(tid: int, text: str, value: float, top=()) -> TokenLogprob:
 
 def test_logprobs_map_from_token_logprobs():
     gathered = [lp(5, "Bon", -0.5, [(5, "Bon", -0.5), (9, "Sa", float("-inf"))]), lp(6, "jour", -0.25)]
-    r = build_result(job(sampling={"logprobs": 1}), final(), logprobs=gathered, **WHO)
+    r = build_result(job(sampling={"logprobs": 1}), final(output_logprobs=gathered), **WHO)
     assert [x.model_dump() for x in r.logprobs] == [
         {
             "token_id": 5,
@@ -177,19 +200,22 @@ def test_logprobs_map_from_token_logprobs():
 
 def test_logprobs_from_the_final_delta_when_it_covers_the_output():
     r = build_result(
-        job(sampling={"logprobs": 0}), final(logprobs=[lp(5, "Bon", -1.0), lp(6, "jour", -2.0)]), **WHO
+        job(sampling={"logprobs": 0}), final(output_logprobs=[lp(5, "Bon", -1.0), lp(6, "jour", -2.0)]), **WHO
     )
     assert [x.logprob for x in r.logprobs] == [-1.0, -2.0]
 
 
 def test_partial_logprobs_are_refused():
-    with pytest.raises(ValueError, match="got 1 for 2 tokens"):
-        build_result(job(sampling={"logprobs": 0}), final(logprobs=[lp(6, "jour", -2.0)]), **WHO)
+    with pytest.raises(ValueError, match="has 1 for 2 tokens"):
+        build_result(job(sampling={"logprobs": 0}), final(output_logprobs=[lp(6, "jour", -2.0)]), **WHO)
+    with pytest.raises(ValueError, match="has 0 for 2 tokens"):
+        build_result(job(sampling={"logprobs": 0}), final(), **WHO)
 
 
 def test_logprobs_left_out_when_not_asked():
     assert (
-        build_result(job(), final(logprobs=[lp(5, "Bon", -1.0), lp(6, "jour", -2.0)]), **WHO).logprobs is None
+        build_result(job(), final(output_logprobs=[lp(5, "Bon", -1.0), lp(6, "jour", -2.0)]), **WHO).logprobs
+        is None
     )
 
 
@@ -220,11 +246,6 @@ def test_attempt_ids_are_unique_and_name_the_worker():
     assert len(ids) == 1000 and all(i.startswith("w3-") for i in ids)
     with pytest.raises(ValueError):
         new_attempt_id("")
-
-
-def test_split_engine_error():
-    assert split_engine_error("invalid_job: bad") == ("invalid_job", "bad")
-    assert split_engine_error("ratio: 3") == ("internal", "ratio: 3")
 
 
 def test_imports_no_torch():

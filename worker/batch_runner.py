@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
@@ -40,7 +40,6 @@ class _Pending:
     job: Job | None = None
     url: str | None = None
     result: Result | None = None
-    logprobs: list = field(default_factory=list)
     attempt: str = ""
 
 
@@ -164,16 +163,12 @@ class BatchRunner:
             p = in_flight.get(delta.request_id)
             if p is None:
                 continue
-            if delta.logprobs:
-                p.logprobs.extend(delta.logprobs)
             if not delta.finished:
                 continue
             del in_flight[delta.request_id]
-            asked = p.job.sampling.logprobs is not None
             try:
                 p.result = build_result(
-                    p.job, delta, model=self.model_name, worker=self.worker_name, attempt=p.attempt,
-                    logprobs=p.logprobs if asked else None,
+                    p.job, delta, model=self.model_name, worker=self.worker_name, attempt=p.attempt
                 )
             except ValueError as exc:  # an engine outcome the contract cannot express: say so
                 self._error(p, ERROR_INTERNAL, str(exc), p.job.job_id)

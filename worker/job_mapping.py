@@ -14,6 +14,8 @@ from typing import Any, cast
 from schemas import (
     ERROR_CODES,
     ERROR_INTERNAL,
+    ERROR_INVALID_JOB,
+    ERROR_PROMPT_TOO_LONG,
     STATUS_ERROR,
     STATUS_EXPIRED,
     STATUS_OK,
@@ -29,6 +31,7 @@ from schemas import Usage as UsageRecord
 from schemas.constants import ErrorCode
 from worker.engine.types import (
     EngineRequest,
+    ErrorKind,
     FinishReason,
     RequestDelta,
     SamplingParams,
@@ -101,18 +104,16 @@ def _logprob_records(logprobs: list[TokenLogprob]) -> list[TokenLogprobRecord]:
     ]
 
 
-def split_engine_error(error: str | None) -> tuple[str, str]:
-    """The engine's error text -> (contract error code, message).
+# The engine's reasons for an ERROR finish -> the contract's error codes: the one table.
+ENGINE_ERROR_CODES: dict[ErrorKind, ErrorCode] = {
+    ErrorKind.PROMPT_TOO_LONG: ERROR_PROMPT_TOO_LONG,
+    ErrorKind.INVALID_REQUEST: ERROR_INVALID_JOB,
+    ErrorKind.INTERNAL: ERROR_INTERNAL,
+}
 
-    The engine prefixes errors a caller must tell apart with their code
-    (``"prompt_too_long: prompt has 5000 tokens, the model allows 4096"``); anything else is
-    ``internal``.
-    """
-    text = (error or "").strip()
-    code, sep, rest = text.partition(":")
-    if sep and code.strip() in ERROR_CODES:
-        return code.strip(), rest.strip() or code.strip()
-    return ERROR_INTERNAL, text or "the engine failed without a message"
+
+def engine_error_code(kind: ErrorKind | None) -> ErrorCode:
+    return ENGINE_ERROR_CODES[kind] if kind is not None else ERROR_INTERNAL
 
 
 def build_result(
@@ -123,18 +124,13 @@ def build_result(
     worker: str,
     attempt: str,
     source: Source | None = None,
-    logprobs: list[TokenLogprob] | None = None,
 ) -> Result:
     """The Result of one execution of ``job`` from its final RequestDelta.
 
-    stop/length -> status ok; EXPIRED -> expired; ERROR -> error with the code the engine gave
-    (``prompt_too_long`` ...) or ``internal``; ABORTED -> error ``internal`` (an aborted request
-    normally is not published at all: its job is redelivered).
-
-    ``logprobs``: every generated token's logprob, gathered from all deltas of the request (each
-    delta carries only its new tokens'). When the job asked for logprobs and this is not given,
-    the final delta's own logprobs are used if they cover the whole output, else ValueError:
-    a truncated logprob list must not pass as a complete one.
+    stop/length -> status ok (with the final delta's output_logprobs when the job asked for
+    logprobs); EXPIRED -> expired; ERROR -> error with the code ENGINE_ERROR_CODES gives the
+    delta's error_kind; ABORTED -> error ``internal`` (an aborted request normally is not
+    published at all: its job is redelivered).
     """
     if not delta.finished or delta.finish_reason is None:
         raise ValueError(
@@ -174,12 +170,12 @@ def build_result(
         token_ids = [int(t) for t in delta.output_token_ids]
         records = None
         if job.sampling.logprobs is not None:
-            given = logprobs if logprobs is not None else delta.logprobs
+            given = delta.output_logprobs
             if given is None or len(given) != len(token_ids):
                 have = 0 if given is None else len(given)
                 raise ValueError(
-                    f"request {delta.request_id}: job asked for logprobs; got {have} for {len(token_ids)} "
-                    "tokens (pass the logprobs gathered from every delta)"
+                    f"request {delta.request_id}: job asked for logprobs; the final delta has {have} "
+                    f"for {len(token_ids)} tokens"
                 )
             records = _logprob_records(given)
         return Result(
@@ -193,7 +189,7 @@ def build_result(
     if reason == FinishReason.EXPIRED:
         return Result(status=STATUS_EXPIRED, **common)
     if reason == FinishReason.ERROR:
-        code, message = split_engine_error(delta.error)
+        code, message = engine_error_code(delta.error_kind), delta.error or "the engine failed without a message"
     else:  # ABORTED
         code, message = ERROR_INTERNAL, f"aborted before finishing{': ' + delta.error if delta.error else ''}"
     return Result(status=STATUS_ERROR, error=ErrorInfo(code=cast(ErrorCode, code), message=message), **common)

@@ -313,7 +313,6 @@ class _LocalBackend(_Backend):
         self.engine = None
         self.store: ResultStore | None = None
         self.in_flight: dict[str, tuple[Any, str]] = {}  # request id -> (Job, attempt)
-        self.logprobs: dict[str, list] = {}  # request id -> logprobs gathered from every delta
 
     async def start(self, store: ResultStore) -> str:
         from worker.storage import resolve_model_path
@@ -355,17 +354,11 @@ class _LocalBackend(_Backend):
         from worker.job_mapping import build_result
 
         finished = []
-        logprobs = self.logprobs
         for delta in self.engine.step():
-            if delta.logprobs:
-                logprobs.setdefault(delta.request_id, []).extend(delta.logprobs)
             if not delta.finished:
                 continue
             job, attempt = self.in_flight.pop(delta.request_id)
-            result = build_result(
-                job, delta, model=self.model_name, worker=WORKER_NAME, attempt=attempt,
-                logprobs=logprobs.pop(delta.request_id, None) if job.sampling.logprobs is not None else None,
-            )
+            result = build_result(job, delta, model=self.model_name, worker=WORKER_NAME, attempt=attempt)
             finished.append(result.model_dump(mode="json", exclude_none=True))
         if finished:
             self.on_results(self.store.add_results(finished))

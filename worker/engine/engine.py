@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from worker.engine.block_manager import BlockManager
+from worker.engine.config import CPU_DEFAULT_KV_GB, EngineConfig
 from worker.engine.cuda_graphs import graph_memory_bytes
 from worker.engine.host_memory import keep_freed_memory
 from worker.engine.model_runner import ModelRunner, StepInputs
@@ -32,6 +33,7 @@ from worker.engine.scheduler import PENDING_TOKEN, Scheduler, SchedulerConfig, S
 from worker.engine.types import (
     EngineRequest,
     EngineStats,
+    ErrorKind,
     FinishReason,
     RequestDelta,
     Timing,
@@ -41,57 +43,8 @@ from worker.engine.types import (
 
 log = logging.getLogger(__name__)
 
-CPU_DEFAULT_KV_GB = 2.0  # CPU has no "free accelerator memory" to take a fraction of
 # Head-room kept free on CUDA for activations of the largest step, on top of the memory fraction.
 CUDA_ACTIVATION_RESERVE_BYTES = 512 * 1024**2
-CUDA_GRAPH_MODES = ("auto", "on", "off", "eager")
-ASYNC_SCHEDULING_MODES = ("auto", "on", "off")
-
-
-@dataclass
-class EngineConfig:
-    model: str  # checkpoint directory
-    dtype: str = "auto"  # auto|float32|bfloat16|float16
-    device: str = "auto"  # auto = cuda if available else cpu
-    attention_backend: str = "auto"  # auto|torch|triton
-    block_size: int = 16
-    kv_cache_gb: float | None = None  # None: fraction of free GPU memory on CUDA, a sane default on CPU
-    gpu_memory_fraction: float = 0.85
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 256
-    max_model_len: int | None = None
-    enable_prefix_caching: bool = True
-    served_model_name: str | None = None  # default: directory name
-    seed: int = 0
-    # Decode steps as replayed CUDA graphs: auto = on for CUDA with the triton backend; "eager" runs
-    # the same padded static-buffer path without capture (triton backend; how the CPU tests it).
-    cuda_graphs: str = "auto"
-    # Prepare and launch step N+1 while step N runs: auto = on for CUDA, off elsewhere; "on"
-    # forces it (also on the CPU, where it runs the same code without any overlap).
-    async_scheduling: str = "auto"
-
-    def __post_init__(self) -> None:
-        problems = []
-        if self.block_size < 1:
-            problems.append("block_size must be >= 1")
-        if self.kv_cache_gb is not None and self.kv_cache_gb <= 0:
-            problems.append("kv_cache_gb must be > 0")
-        if not 0 < self.gpu_memory_fraction <= 1:
-            problems.append("gpu_memory_fraction must be in (0, 1]")
-        if self.max_num_batched_tokens < 1:
-            problems.append("max_num_batched_tokens must be >= 1")
-        if self.max_num_seqs < 1:
-            problems.append("max_num_seqs must be >= 1")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            problems.append("max_model_len must be >= 1")
-        if self.cuda_graphs not in CUDA_GRAPH_MODES:
-            problems.append(f"cuda_graphs must be one of {', '.join(CUDA_GRAPH_MODES)}, got {self.cuda_graphs!r}")
-        if self.async_scheduling not in ASYNC_SCHEDULING_MODES:
-            problems.append(
-                f"async_scheduling must be one of {', '.join(ASYNC_SCHEDULING_MODES)}, got {self.async_scheduling!r}"
-            )
-        if problems:
-            raise ValueError("; ".join(problems))
 
 
 @dataclass
@@ -340,10 +293,8 @@ class Engine:
         self._stats.prompt_tokens_total += len(ids)
         if len(ids) > self.max_model_len:
             req.finish_reason = FinishReason.ERROR
-            req.error = (
-                f"prompt_too_long: the prompt has {len(ids)} tokens, the engine allows at most "
-                f"{self.max_model_len}"
-            )
+            req.error_kind = ErrorKind.PROMPT_TOO_LONG
+            req.error = f"the prompt has {len(ids)} tokens, the engine allows at most {self.max_model_len}"
             self._finish_next.append(req)
             return
         self.scheduler.add(req)
@@ -527,7 +478,10 @@ class Engine:
                     reason = FinishReason.STOP
                 elif n_out >= params.max_tokens or n_out + req.num_prompt_tokens >= max_len:
                     reason = FinishReason.LENGTH
-            logprobs = self._logprobs(tok, s) if params.logprobs is not None else None
+            logprobs = None
+            if params.logprobs is not None:
+                logprobs = self._logprobs(tok, s)
+                req.output_logprobs.extend(logprobs)
             if reason is None:
                 deltas.append(
                     RequestDelta(
@@ -593,9 +547,11 @@ class Engine:
             logprobs=logprobs,
             usage=Usage(req.num_prompt_tokens, len(req.output_token_ids), req.num_cached_prompt_tokens),
             timing=timing,
+            error_kind=req.error_kind if reason is FinishReason.ERROR else None,
             error=req.error if reason is FinishReason.ERROR else None,
             output_token_ids=list(req.output_token_ids),
             output_text=req.detokenizer.text if req.detokenizer is not None else "",
+            output_logprobs=list(req.output_logprobs) if req.output_logprobs is not None else None,
         )
 
     # ------------------------------------------------------------------ stats

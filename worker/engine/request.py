@@ -8,7 +8,7 @@ import itertools
 from typing import Any
 
 from worker.engine.block_manager import BlockState
-from worker.engine.types import EngineRequest, FinishReason, SamplingParams
+from worker.engine.types import EngineRequest, ErrorKind, FinishReason, SamplingParams, TokenLogprob
 
 _arrival_counter = itertools.count()
 
@@ -37,10 +37,10 @@ class Request:
     __slots__ = (
         "request_id", "sampling", "priority", "arrival_time", "deadline_ms", "tenant",
         "arrival_seq", "prompt_token_ids", "num_prompt_tokens", "output_token_ids", "kv",
-        "num_computed_tokens", "status", "finish_reason", "error", "num_cached_prompt_tokens",
+        "num_computed_tokens", "status", "finish_reason", "error_kind", "error", "num_cached_prompt_tokens",
         "num_preemptions", "ever_scheduled", "deferred_steps", "first_scheduled_time",
-        "first_token_time", "finish_time", "detokenizer", "sampling_inputs", "pending_logprobs",
-        "emitted_tokens", "emitted_text_len", "stop_text_hit", "runner_row",
+        "first_token_time", "finish_time", "detokenizer", "sampling_inputs", "output_logprobs",
+        "runner_row",
     )
 
     def __init__(self, req: EngineRequest, prompt_token_ids: list[int]) -> None:
@@ -59,6 +59,7 @@ class Request:
         self.num_computed_tokens = 0
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None
+        self.error_kind: ErrorKind | None = None
         self.error: str | None = None
         self.num_cached_prompt_tokens = 0  # prompt tokens served from the prefix cache (first admission)
         self.num_preemptions = 0
@@ -69,10 +70,8 @@ class Request:
         self.finish_time: float | None = None
         self.detokenizer: Any = None
         self.sampling_inputs: Any = None
-        self.pending_logprobs: list | None = None
-        self.emitted_tokens = 0  # output tokens already reported in deltas
-        self.emitted_text_len = 0
-        self.stop_text_hit = False
+        # Every output token's logprobs, when asked: the final delta carries the whole list.
+        self.output_logprobs: list[TokenLogprob] | None = [] if req.sampling.logprobs is not None else None
         self.runner_row = -1  # row of the model runner's persistent block-table buffer
 
     @property

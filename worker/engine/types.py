@@ -20,6 +20,15 @@ class FinishReason(str, Enum):  # noqa: UP042 (StrEnum would change str() and f-
     ERROR = "error"  # the request could not run (e.g. prompt longer than the model allows)
 
 
+class ErrorKind(str, Enum):  # noqa: UP042
+    """Why a request finished with FinishReason.ERROR. Callers map it to their own error codes
+    (worker/job_mapping.py holds the one table for the wire contract)."""
+
+    PROMPT_TOO_LONG = "prompt_too_long"  # more prompt tokens than the engine's max_model_len
+    INVALID_REQUEST = "invalid_request"  # refused by add() (e.g. token ids outside the vocabulary)
+    INTERNAL = "internal"  # the engine failed on it
+
+
 @dataclass
 class SamplingParams:
     """Per-request sampling settings; names and meanings follow OpenAI and vLLM."""
@@ -129,10 +138,12 @@ class RequestDelta:
     logprobs: list[TokenLogprob] | None = None  # one per new token, when asked
     usage: Usage | None = None  # always set; final when finished
     timing: Timing | None = None  # set when finished
-    error: str | None = None  # set with FinishReason.ERROR
+    error_kind: ErrorKind | None = None  # set with FinishReason.ERROR
+    error: str | None = None  # the human-readable reason, with error_kind
     # Whole output, set when finished (so callers need not accumulate).
     output_token_ids: list[int] | None = None
     output_text: str | None = None
+    output_logprobs: list[TokenLogprob] | None = None  # one per output token, when logprobs were asked
 
 
 @dataclass

@@ -8,7 +8,7 @@ backpressure.
 
 Every bit of Python the event loop runs competes with the engine thread for the interpreter lock,
 so only the deltas the caller needs cross over: finished ones, and every delta of the requests
-submitted with `every_delta=True` (streaming, logprobs). The others are only counted.
+submitted with `every_delta=True` (streaming). The others are only counted.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import time
 import traceback
 from collections.abc import Callable
 
-from worker.engine.types import EngineRequest, EngineStats, FinishReason, RequestDelta, Usage
+from worker.engine.types import EngineRequest, EngineStats, ErrorKind, FinishReason, RequestDelta, Usage
 
 StepCallback = Callable[[list[RequestDelta], EngineStats, int], None]  # deltas, stats, new tokens
 FatalCallback = Callable[[BaseException, str], None]
@@ -97,7 +97,7 @@ class EngineThread:
                 except Exception as exc:  # a request the engine refuses must not stop the loop
                     # ValueError is the engine's "this request is invalid" (e.g. token ids outside
                     # the vocabulary); anything else is our failure, not the job's.
-                    code = "invalid_job" if isinstance(exc, ValueError) else "internal"
+                    invalid = isinstance(exc, ValueError)
                     failed.append(
                         RequestDelta(
                             request_id=request.request_id,
@@ -105,8 +105,9 @@ class EngineThread:
                             text_delta="",
                             finished=True,
                             finish_reason=FinishReason.ERROR,
+                            error_kind=ErrorKind.INVALID_REQUEST if invalid else ErrorKind.INTERNAL,
+                            error=str(exc) if invalid else f"{type(exc).__name__}: {exc}",
                             usage=Usage(),
-                            error=f"{code}: {exc}" if code == "invalid_job" else f"{code}: {type(exc).__name__}: {exc}",
                         )
                     )
             else:
