@@ -45,23 +45,9 @@ def job_to_engine_request(
     """A validated Job -> EngineRequest. ``request_id`` defaults to the job_id (a caller that may
     run two executions of one job at once must pass distinct ids, e.g. the attempt id);
     ``arrival_time`` (unix seconds) defaults to now."""
-    s = job.sampling
-    sampling = SamplingParams(
-        max_tokens=s.max_tokens,
-        min_tokens=s.min_tokens,
-        temperature=s.temperature,
-        top_p=s.top_p,
-        top_k=s.top_k,
-        min_p=s.min_p,
-        repetition_penalty=s.repetition_penalty,
-        presence_penalty=s.presence_penalty,
-        frequency_penalty=s.frequency_penalty,
-        seed=s.seed,
-        stop=list(s.stop),
-        stop_token_ids=list(s.stop_token_ids),
-        ignore_eos=s.ignore_eos,
-        logprobs=s.logprobs,
-    )
+    # The wire's Sampling and the engine's SamplingParams have the same fields (a test holds them
+    # equal), so the mapping is by name; model_dump copies the lists.
+    sampling = SamplingParams(**job.sampling.model_dump())
     return EngineRequest(
         request_id=job.job_id if request_id is None else request_id,
         prompt=job.prompt,

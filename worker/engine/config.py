@@ -12,40 +12,12 @@ import it without loading torch.
 
 from __future__ import annotations
 
-from dataclasses import MISSING, dataclass, field, fields
-from typing import Any
+from dataclasses import dataclass, fields
+
+from worker.engine.fields import problems_of, setting
 
 # CPU has no "free accelerator memory" to take a fraction of: the KV cache gets this much.
 CPU_DEFAULT_KV_GB = 2.0
-
-
-def setting(
-    default: Any = MISSING,
-    *,
-    help: str,
-    choices: tuple[str, ...] | None = None,
-    minimum: float | None = None,
-    above: float | None = None,
-    maximum: float | None = None,
-    flag: str | None = None,
-    negated_flag: bool = False,
-) -> Any:
-    """A dataclass field with what a flag and a validation need.
-
-    ``minimum``/``maximum`` are inclusive bounds, ``above`` an exclusive lower bound; None values
-    are allowed when the default is None. ``flag`` overrides the derived ``--field-name``;
-    ``negated_flag`` makes a bool field a store-false flag (``--no-prefix-caching``).
-    """
-    meta = {
-        "help": help,
-        "choices": choices,
-        "minimum": minimum,
-        "above": above,
-        "maximum": maximum,
-        "flag": flag,
-        "negated_flag": negated_flag,
-    }
-    return field(default=default, metadata=meta)
 
 
 @dataclass
@@ -79,32 +51,6 @@ class EngineConfig:
                                     help="prepare step N+1 while step N runs on the GPU (auto: on for CUDA)")
 
     def __post_init__(self) -> None:
-        problems = [p for f in fields(self) if (p := check_setting(f, getattr(self, f.name)))]
+        problems = problems_of(self, fields(self))
         if problems:
             raise ValueError("; ".join(problems))
-
-
-def check_setting(f, value: Any) -> str | None:
-    """The problem with one field's value, or None."""
-    meta = f.metadata
-    if value is None and f.default is None:
-        return None
-    if meta["choices"] is not None:
-        ok = value in meta["choices"]
-        return None if ok else f"{f.name} must be one of {', '.join(meta['choices'])}, got {value!r}"
-    low, above, high = meta["minimum"], meta["above"], meta["maximum"]
-    ok = (low is None or value >= low) and (above is None or value > above) and (high is None or value <= high)
-    return None if ok else f"{f.name} must be {describe_bounds(meta)}"
-
-
-def describe_bounds(meta) -> str:
-    """'>= 1', '> 0', 'in (0, 1]' ... for a setting's metadata (also used in flag errors)."""
-    low, above, high = meta["minimum"], meta["above"], meta["maximum"]
-    if high is not None and (low is not None or above is not None):
-        left = f"[{low:g}" if low is not None else f"({above:g}"
-        return f"in {left}, {high:g}]"
-    if low is not None:
-        return f">= {low:g}"
-    if above is not None:
-        return f"> {above:g}"
-    return f"<= {high:g}"

@@ -6,10 +6,11 @@ engine runs on a machine that has only torch, triton, transformers and safetenso
 
 from __future__ import annotations
 
-import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import Enum
+
+from worker.engine.fields import problems_of, setting
 
 
 class FinishReason(str, Enum):  # noqa: UP042 (StrEnum would change str() and f-strings of members)
@@ -29,46 +30,40 @@ class ErrorKind(str, Enum):  # noqa: UP042
     INTERNAL = "internal"  # the engine failed on it
 
 
+# Wire-level limits the engine holds too: counts and token ids fit a signed 32-bit integer, seeds
+# a signed 64-bit one (larger values would overflow index tensors or the generator).
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+LOGPROBS_MAX = 20
+
+
 @dataclass
 class SamplingParams:
-    """Per-request sampling settings; names and meanings follow OpenAI and vLLM."""
+    """Per-request sampling settings; names and meanings follow OpenAI and vLLM.
 
-    max_tokens: int = 256
-    min_tokens: int = 0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = off
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int | None = None
+    Names, defaults and bounds equal the wire's ``schemas.job.Sampling`` field for field (a test
+    compares them), so a Job's sampling maps over by name alone.
+    """
+
+    max_tokens: int = setting(256, minimum=1, maximum=INT32_MAX)
+    min_tokens: int = setting(0, minimum=0, maximum=INT32_MAX)
+    temperature: float = setting(1.0, minimum=0, finite=True)
+    top_p: float = setting(1.0, above=0, maximum=1, finite=True)
+    top_k: int = setting(0, minimum=0, maximum=INT32_MAX)  # 0 = off
+    min_p: float = setting(0.0, minimum=0, maximum=1, finite=True)
+    repetition_penalty: float = setting(1.0, above=0, finite=True)
+    presence_penalty: float = setting(0.0, minimum=-2, maximum=2, finite=True)
+    frequency_penalty: float = setting(0.0, minimum=-2, maximum=2, finite=True)
+    seed: int | None = setting(None, minimum=INT64_MIN, maximum=INT64_MAX)
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
-    logprobs: int | None = None  # top-N logprobs per generated token (0 = only the chosen one)
+    logprobs: int | None = setting(None, minimum=0, maximum=LOGPROBS_MAX)  # top-N per token (0 = the chosen one)
 
     def __post_init__(self) -> None:
-        problems = []
-        if self.max_tokens < 1:
-            problems.append("max_tokens must be >= 1")
-        if self.min_tokens < 0:
-            problems.append("min_tokens must be >= 0")
-        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
-            problems.append("temperature must be >= 0")
-        if not (0 < self.top_p <= 1):
-            problems.append("top_p must be in (0, 1]")
-        if self.top_k < 0:
-            problems.append("top_k must be >= 0")
-        if not (0 <= self.min_p <= 1):
-            problems.append("min_p must be in [0, 1]")
-        if not self.repetition_penalty > 0:
-            problems.append("repetition_penalty must be > 0")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -2 <= getattr(self, name) <= 2:
-                problems.append(f"{name} must be in [-2, 2]")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            problems.append("logprobs must be in [0, 20]")
+        problems = problems_of(self, fields(self))
+        if self.min_tokens > self.max_tokens:
+            problems.append(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         if problems:
             raise ValueError("; ".join(problems))
 
