@@ -39,42 +39,62 @@ LINE_FIELDS = ("custom_id", "method", "url", "body")
 # Fields that cannot change what is generated: accepted and ignored.
 IGNORED_BODY_FIELDS = frozenset({"user", "store", "metadata", "service_tier"})
 
-# Body field -> Sampling field, for both endpoints. The last six are vLLM's extensions of the
+CHAT, COMPLETIONS = frozenset({CHAT_COMPLETIONS_URL}), frozenset({COMPLETIONS_URL})
+BOTH = CHAT | COMPLETIONS
+
+# Body field -> (the Job path it fills, the endpoints that have it). Every rename between an
+# OpenAI body and a Job is in this one table; the few whose value also changes shape are handled
+# in _reshape (a stop string becomes a list, token-id prompts go to prompt_token_ids, chat
+# logprobs/top_logprobs combine into one count). top_k .. ignore_eos are vLLM's extensions of the
 # OpenAI request, accepted by vLLM's OpenAI-compatible server too.
-_SAMPLING_FIELDS = {
-    "max_tokens": "max_tokens",
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "presence_penalty": "presence_penalty",
-    "frequency_penalty": "frequency_penalty",
-    "seed": "seed",
-    "top_k": "top_k",
-    "min_p": "min_p",
-    "repetition_penalty": "repetition_penalty",
-    "min_tokens": "min_tokens",
-    "stop_token_ids": "stop_token_ids",
-    "ignore_eos": "ignore_eos",
+BODY_TO_JOB: dict[str, tuple[str, frozenset[str]]] = {
+    "model": ("model", BOTH),
+    "messages": ("messages", CHAT),
+    "prompt": ("prompt", COMPLETIONS),
+    "max_tokens": ("sampling.max_tokens", BOTH),
+    "max_completion_tokens": ("sampling.max_tokens", CHAT),
+    "temperature": ("sampling.temperature", BOTH),
+    "top_p": ("sampling.top_p", BOTH),
+    "presence_penalty": ("sampling.presence_penalty", BOTH),
+    "frequency_penalty": ("sampling.frequency_penalty", BOTH),
+    "seed": ("sampling.seed", BOTH),
+    "stop": ("sampling.stop", BOTH),
+    "logprobs": ("sampling.logprobs", BOTH),
+    "top_logprobs": ("sampling.logprobs", CHAT),
+    "top_k": ("sampling.top_k", BOTH),
+    "min_p": ("sampling.min_p", BOTH),
+    "repetition_penalty": ("sampling.repetition_penalty", BOTH),
+    "min_tokens": ("sampling.min_tokens", BOTH),
+    "stop_token_ids": ("sampling.stop_token_ids", BOTH),
+    "ignore_eos": ("sampling.ignore_eos", BOTH),
 }
 
-# Fields that are fine only at their default value (the value OpenAI uses when it is absent).
-_DEFAULT_ONLY = {
-    "n": (1,),
-    "stream": (False,),
-    "logit_bias": ({},),
-    "echo": (False,),
-    "best_of": (1,),
-    "suffix": ("",),
-    "response_format": ({"type": "text"},),
-    "tools": ([],),
-    "functions": ([],),
+# Fields that are fine only at their default value (the value OpenAI uses when it is absent),
+# with the endpoints that have them.
+_DEFAULT_ONLY: dict[str, tuple[tuple[Any, ...], frozenset[str]]] = {
+    "n": ((1,), BOTH),
+    "stream": ((False,), BOTH),
+    "logit_bias": (({},), BOTH),
+    "echo": ((False,), COMPLETIONS),
+    "best_of": ((1,), COMPLETIONS),
+    "suffix": (("",), COMPLETIONS),
+    "response_format": (({"type": "text"},), CHAT),
+    "tools": (([],), CHAT),
+    "functions": (([],), CHAT),
 }
-_CHAT_ONLY = {"messages", "max_completion_tokens", "top_logprobs", "response_format", "tools", "functions"}
-_COMPLETIONS_ONLY = {"prompt", "echo", "best_of", "suffix"}
+
+
+def _endpoints(name: str) -> frozenset[str] | None:
+    if name in BODY_TO_JOB:
+        return BODY_TO_JOB[name][1]
+    if name in _DEFAULT_ONLY:
+        return _DEFAULT_ONLY[name][1]
+    return None
 
 
 def _is_default(name: str, value: Any) -> bool:
     # Compared with types, so that true does not pass for 1.
-    return any(type(value) is type(d) and value == d for d in _DEFAULT_ONLY[name])
+    return any(type(value) is type(d) and value == d for d in _DEFAULT_ONLY[name][0])
 
 
 def _not_default_reason(name: str, value: Any) -> str:
@@ -96,7 +116,7 @@ def _not_default_reason(name: str, value: Any) -> str:
         return "echo is not supported"
     if name == "suffix":
         return "suffix (insertion) is not supported"
-    return f"must be {_DEFAULT_ONLY[name][0]!r}"
+    return f"must be {_DEFAULT_ONLY[name][0][0]!r}"
 
 
 def _chat_message(msg: Any, index: int, problems: list[str]) -> Any:
@@ -140,6 +160,25 @@ def _completion_prompt(prompt: Any, problems: list[str]) -> tuple[str, Any]:
     return "prompt", prompt
 
 
+def _reshape(name: str, value: Any, problems: list[str]) -> tuple[str, Any]:
+    """A body value -> (Job path, value in the Job's shape), after BODY_TO_JOB."""
+    path = BODY_TO_JOB[name][0]
+    if name == "stop" and isinstance(value, str):
+        return path, [value]
+    if name == "messages" and isinstance(value, list):
+        return path, [_chat_message(m, i, problems) for i, m in enumerate(value)]
+    if name == "prompt":
+        return _completion_prompt(value, problems)
+    return path, value  # completions logprobs: the top-N count as it is (0 = only the chosen token)
+
+
+def _put(job: dict[str, Any], sampling: dict[str, Any], path: str, value: Any) -> None:
+    if path.startswith("sampling."):
+        sampling[path.removeprefix("sampling.")] = value
+    else:
+        job[path] = value
+
+
 def job_from_openai_batch_line(line: dict[str, Any] | bytes | bytearray | str) -> Job:
     """One OpenAI Batch input line -> Job. Raises only JobDecodeError (invalid_job), with
     job_id = custom_id when it can be read."""
@@ -173,7 +212,11 @@ def job_from_openai_batch_line(line: dict[str, Any] | bytes | bytearray | str) -
     for name, value in body.items():
         if name in IGNORED_BODY_FIELDS:
             continue
-        if (name in _CHAT_ONLY and not chat) or (name in _COMPLETIONS_ONLY and chat):
+        endpoints = _endpoints(name)
+        if endpoints is None:
+            problems.append(f"body.{name}: not supported")
+            continue
+        if url not in endpoints:
             problems.append(f"body.{name}: not a field of {url}")
             continue
         if name in _DEFAULT_ONLY:
@@ -184,33 +227,11 @@ def job_from_openai_batch_line(line: dict[str, Any] | bytes | bytearray | str) -
             if name in ("messages", "prompt"):
                 problems.append(f"body.{name}: must not be null")
             continue  # OpenAI reads null as "use the default"
-        if name in _SAMPLING_FIELDS:
-            sampling[_SAMPLING_FIELDS[name]] = value
-            rename[f"sampling.{_SAMPLING_FIELDS[name]}"] = f"body.{name}"
-        elif name == "max_completion_tokens":
-            sampling["max_tokens"] = value
-            rename["sampling.max_tokens"] = "body.max_completion_tokens"
-        elif name == "stop":
-            sampling["stop"] = [value] if isinstance(value, str) else value
-            rename["sampling.stop"] = "body.stop"
-        elif name == "model":
-            job["model"] = value
-        elif name == "messages":
-            if isinstance(value, list):
-                value = [_chat_message(m, i, problems) for i, m in enumerate(value)]
-            job["messages"] = value
-            rename["messages"] = "body.messages"
-        elif name == "prompt":
-            field, prompt = _completion_prompt(value, problems)
-            job[field] = prompt
-            rename[field] = "body.prompt"
-        elif name == "logprobs" and not chat:
-            sampling["logprobs"] = value  # completions: top-N count, 0 = only the chosen token
-            rename["sampling.logprobs"] = "body.logprobs"
-        elif name in ("logprobs", "top_logprobs"):
-            pass  # chat: combined below
-        else:
-            problems.append(f"body.{name}: not supported")
+        if chat and name in ("logprobs", "top_logprobs"):
+            continue  # combined below
+        path, value = _reshape(name, value, problems)
+        _put(job, sampling, path, value)
+        rename[path] = f"body.{name}"
 
     if chat:
         if "messages" not in body:

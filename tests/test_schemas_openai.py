@@ -345,3 +345,35 @@ def test_output_ids_are_stable_per_attempt():
 def test_ok_output_needs_a_known_url():
     with pytest.raises(ValueError, match="url must be one of"):
         openai_batch_output_line(result(), "/v1/embeddings")
+
+
+# --- the rename table ----------------------------------------------------------------------------
+
+# A value each sampling path takes, to send under every body name that maps to it.
+_SAMPLE_VALUES = {
+    "max_tokens": 7, "temperature": 0.25, "top_p": 0.5, "presence_penalty": 0.5, "frequency_penalty": -0.5,
+    "seed": 11, "stop": ["x"], "logprobs": 3, "top_k": 4, "min_p": 0.2, "repetition_penalty": 1.3,
+    "min_tokens": 2, "stop_token_ids": [9], "ignore_eos": True,
+}
+
+
+def test_every_sampling_rename_comes_from_the_one_table():
+    from schemas.openai_batch import BODY_TO_JOB, COMPLETIONS
+
+    for body_name, (path, endpoints) in BODY_TO_JOB.items():
+        if not path.startswith("sampling.") or body_name in ("logprobs", "top_logprobs"):
+            continue
+        target = path.removeprefix("sampling.")
+        value = _SAMPLE_VALUES[target]
+        make = comp if endpoints == COMPLETIONS else chat
+        job = job_from_openai_batch_line(make(**{body_name: value}))
+        assert getattr(job.sampling, target) == value, body_name
+        # A bad value is reported under the OpenAI name, not the Job's.
+        bad = 5 if target == "stop" else "bad"  # a stop string alone is a valid stop
+        assert f"body.{body_name}" in rejected(make(**{body_name: bad})).message
+    # Every Sampling field an OpenAI body can set is in the table.
+    from schemas.job import Sampling
+
+    assert {p.removeprefix("sampling.") for p, _ in BODY_TO_JOB.values() if p.startswith("sampling.")} == set(
+        Sampling.model_fields
+    )
