@@ -100,16 +100,13 @@ def metadata_json_size(metadata: dict[str, Any]) -> int:
 class Job(StrictModel):
     """One prompt job (the value of a record on the jobs topic)."""
 
-    model_config = ConfigDict(
-        strict=True,
-        extra="forbid",
+    # Exactly one prompt form; null counts as absent.
+    model_config = StrictModel.model_config | ConfigDict(
         json_schema_extra={
-            # Exactly one prompt form; null counts as absent.
             "oneOf": [
-                {"required": [name], "properties": {name: {"not": {"type": "null"}}}}
-                for name in PROMPT_FIELDS
+                {"required": [name], "properties": {name: {"not": {"type": "null"}}}} for name in PROMPT_FIELDS
             ],
-        },
+        }
     )
 
     job_id: JobId

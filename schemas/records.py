@@ -96,9 +96,8 @@ _OMITTED_WHEN_NONE = ("source", "metadata", "error", "logprobs")
 class Result(RecordModel):
     """The completion record of one execution of a job (value on the results topic, key job_id)."""
 
-    model_config = ConfigDict(
-        strict=True,
-        extra="ignore",
+    # Which fields each status needs, for JSON Schema readers (the validators below enforce it).
+    model_config = RecordModel.model_config | ConfigDict(
         json_schema_extra={
             "allOf": [
                 {
@@ -120,7 +119,7 @@ class Result(RecordModel):
                     "then": {"properties": {"error": {"type": "null"}}},
                 },
             ]
-        },
+        }
     )
 
     job_id: JobId
