@@ -7,7 +7,11 @@ keeps every topic and record. It is meant for development, demos and tests, not 
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
+from collections.abc import Callable
+
+from worker.cli.engine_options import positive_int
 
 _DEFAULT_BOOTSTRAP = "127.0.0.1:9092"
 
@@ -17,13 +21,6 @@ def _port(value: str) -> int:
     if not 0 < port < 65536:
         raise argparse.ArgumentTypeError(f"port must be in 1..65535, got {value}")
     return port
-
-
-def _positive(value: str) -> int:
-    number = int(value)
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return number
 
 
 def _bool(value: str) -> bool:
@@ -66,13 +63,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="KRaft controller port (default: a free port, then the same one on restarts)")
     start.add_argument("--auto-create-topics", type=_bool, default=True,
                        help="let produce/metadata requests create unknown topics (default: true)")
-    start.add_argument("--timeout", type=_positive, default=120,
+    start.add_argument("--timeout", type=positive_int, default=120,
                        help="seconds to wait for the node to answer (default: 120)")
     start.set_defaults(func=_start)
 
     stop = actions.add_parser("stop", help="stop the node cleanly (SIGTERM, SIGKILL after --timeout)")
     node_options(stop)
-    stop.add_argument("--timeout", type=_positive, default=60, help="seconds before SIGKILL (default: 60)")
+    stop.add_argument("--timeout", type=positive_int, default=60, help="seconds before SIGKILL (default: 60)")
     stop.set_defaults(func=_stop)
 
     status = actions.add_parser("status", help="exit 0 if the node runs and answers, 3 if stopped")
@@ -81,15 +78,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     create = actions.add_parser("create-topic", help="create a topic (fine if it exists with that many partitions)")
     create.add_argument("name", help="topic name")
-    create.add_argument("--partitions", type=_positive, default=1, help="partition count (default: 1)")
-    create.add_argument("--replication-factor", type=_positive, default=1,
+    create.add_argument("--partitions", type=positive_int, default=1, help="partition count (default: 1)")
+    create.add_argument("--replication-factor", type=positive_int, default=1,
                         help="replicas per partition (default: 1, what a single node allows)")
     # extend + nargs: repeatable on the command line, comma-separated in TOKENMILL_CONFIG.
     create.add_argument("--config", action="extend", nargs="+", default=[], metavar="KEY=VALUE",
                         help="topic configs (e.g. --config retention.ms=86400000 cleanup.policy=delete)")
     create.add_argument("--bootstrap-servers", default=_DEFAULT_BOOTSTRAP,
                         help=f"Kafka bootstrap servers (default: {_DEFAULT_BOOTSTRAP})")
-    create.add_argument("--timeout", type=_positive, default=30, help="seconds to wait (default: 30)")
+    create.add_argument("--timeout", type=positive_int, default=30, help="seconds to wait (default: 30)")
     create.set_defaults(func=_create_topic)
 
 
@@ -106,40 +103,44 @@ def _broker(args: argparse.Namespace, with_ports: bool = False):
     return LocalKafka(data_dir=args.data_dir)
 
 
-def _start(args: argparse.Namespace) -> int:
-    from worker.kafka.local_broker import LocalKafkaError
+def _reports_node_errors(verb: str) -> Callable[[Callable[[argparse.Namespace], int]], Callable[..., int]]:
+    """A node action whose LocalKafkaError becomes one line on stderr and exit code 1."""
 
+    def wrap(action: Callable[[argparse.Namespace], int]) -> Callable[..., int]:
+        @functools.wraps(action)
+        def run(args: argparse.Namespace) -> int:
+            from worker.kafka.local_broker import LocalKafkaError
+
+            try:
+                return action(args)
+            except LocalKafkaError as exc:
+                print(f"tokenmill kafka {verb}: {exc}", file=sys.stderr)
+                return 1
+
+        return run
+
+    return wrap
+
+
+@_reports_node_errors("start")
+def _start(args: argparse.Namespace) -> int:
     broker = _broker(args, with_ports=True)
-    try:
-        broker.start(timeout=args.timeout, auto_create_topics=args.auto_create_topics)
-    except LocalKafkaError as exc:
-        print(f"tokenmill kafka start: {exc}", file=sys.stderr)
-        return 1
+    broker.start(timeout=args.timeout, auto_create_topics=args.auto_create_topics)
     print(f"kafka running: bootstrap {broker.bootstrap}, data {broker.data_dir}, log {broker.log_file}")
     return 0
 
 
+@_reports_node_errors("stop")
 def _stop(args: argparse.Namespace) -> int:
-    from worker.kafka.local_broker import LocalKafkaError
-
     broker = _broker(args)
-    try:
-        broker.stop(timeout=args.timeout)
-    except LocalKafkaError as exc:
-        print(f"tokenmill kafka stop: {exc}", file=sys.stderr)
-        return 1
+    broker.stop(timeout=args.timeout)
     print(f"kafka stopped: data {broker.data_dir}")
     return 0
 
 
+@_reports_node_errors("status")
 def _status(args: argparse.Namespace) -> int:
-    from worker.kafka.local_broker import LocalKafkaError
-
-    try:
-        status = _broker(args).status()
-    except LocalKafkaError as exc:
-        print(f"tokenmill kafka status: {exc}", file=sys.stderr)
-        return 1
+    status = _broker(args).status()
     print(status.message)
     if status.running:
         return 0
