@@ -1,4 +1,4 @@
-"""tools/gpu_check: the --dry-run takes the GPU code path on the CPU at toy sizes and writes its report."""
+"""tools/gpu_check (the package): the --dry-run takes the GPU code path on the CPU at toy sizes and writes its report."""
 
 import json
 import os
@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from tools import gpu_check
+from tools.gpu_check import runner
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -58,10 +59,10 @@ def test_a_failing_section_does_not_lose_the_others(tmp_path, monkeypatch):
     def failed_checks(ctx):  # a section may also report failure without raising (e.g. kernel checks)
         return {"ok": False, "passed": 3, "failed": 1}
 
-    monkeypatch.setattr(gpu_check, "SECTIONS", [("environment", gpu_check.section_environment),
-                                                ("attention", broken),
-                                                ("kernels", failed_checks),
-                                                ("copy_bandwidth", gpu_check.section_copy_bandwidth)])
+    monkeypatch.setattr(runner, "SECTIONS", [("environment", gpu_check.section_environment),
+                                             ("attention", broken),
+                                             ("kernels", failed_checks),
+                                             ("copy_bandwidth", gpu_check.section_copy_bandwidth)])
     rc = gpu_check.main(["--dry-run", "--out", str(tmp_path)])
     assert rc == 1
     report = json.loads((tmp_path / "gpu_check.json").read_text())
@@ -96,9 +97,10 @@ def test_llama_param_count_matches_transformers():
 
     shape = dict(gpu_check.TOY_LLAMA)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape))
-    assert gpu_check._llama_param_count(shape) == sum(p.numel() for p in model.parameters())
+    assert gpu_check.llama_param_count(shape) == sum(p.numel() for p in model.parameters())
 
 
 def test_wrapper_script_help_is_quick_and_clean():
-    proc = subprocess.run([str(ROOT / "tools" / "gpu_check"), "--help"], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([str(ROOT / "tools" / "gpu_check" / "run"), "--help"], capture_output=True, text=True,
+                          timeout=60)
     assert proc.returncode == 0 and "--dry-run" in proc.stdout

@@ -84,3 +84,13 @@ def test_openai_output_format(tmp_path, tiny_qwen2_dir, batch_file):
     chat = next(ln for ln in ok if ln["custom_id"] == "req-1")
     assert chat["response"]["body"]["choices"][0]["message"]["role"] == "assistant"
     assert sum(1 for ln in lines if ln["response"] and ln["response"]["status_code"] == 400) == 5
+
+
+def test_an_s3_model_is_served_under_its_last_path_part():
+    from argparse import Namespace
+
+    from worker.cli.commands.run_batch import served_model_name
+
+    assert served_model_name(Namespace(model="s3://bucket/models/qwen-tiny/", served_model_name=None)) == "qwen-tiny"
+    assert served_model_name(Namespace(model="s3://bucket/models/qwen-tiny", served_model_name="given")) == "given"
+    assert served_model_name(Namespace(model="/local/dir", served_model_name=None)) is None

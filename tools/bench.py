@@ -171,7 +171,8 @@ def run_engine(model_dir: Path, work: Workload, engine_options: dict[str, Any]) 
 
 
 def hf_static_batches(model, work: Workload, batch_size: int, pad_id: int) -> tuple[float, float]:
-    """Run the workload through `generate` in static batches (arrival order); (wall, CPU) seconds."""
+    """Run the workload through `generate` in static batches (arrival order), on the model's
+    device (synchronised at the end on a GPU); (wall, CPU) seconds."""
     import torch
 
     c0, t0 = time.process_time(), time.perf_counter()
@@ -186,9 +187,11 @@ def hf_static_batches(model, work: Workload, batch_size: int, pad_id: int) -> tu
                 ids[i, width - len(p) :] = torch.tensor(p)
                 mask[i, width - len(p) :] = 1
             model.generate(
-                input_ids=ids, attention_mask=mask, max_new_tokens=max(outs),
+                input_ids=ids.to(model.device), attention_mask=mask.to(model.device), max_new_tokens=max(outs),
                 do_sample=False, eos_token_id=None, pad_token_id=pad_id,
             )
+    if model.device.type == "cuda":
+        torch.cuda.synchronize(model.device)
     return time.perf_counter() - t0, time.process_time() - c0
 
 
@@ -205,12 +208,17 @@ class BaselineRun:
         return self.output_tokens / self.wall_s if self.wall_s > 0 else 0.0
 
 
-def run_hf_baseline(model_dir: Path, work: Workload, dtype: str, full_sweep: bool = False) -> BaselineRun:
+def run_hf_baseline(model_dir: Path, work: Workload, dtype: str, full_sweep: bool = False, *, device: Any = "cpu",
+                    batches: tuple[int, ...] = BASELINE_BATCHES,
+                    calibration_requests: int = CALIBRATION_REQUESTS) -> BaselineRun:
+    """transformers `generate` on ``device``: each static batch size of ``batches`` runs the first
+    ``calibration_requests`` requests (all of them with ``full_sweep``), the fastest then runs the
+    whole workload (tools/gpu_check's `mixed` section runs it on the GPU, with its own sizes)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     torch_dtype = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch_dtype or "auto").eval()
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch_dtype or "auto").to(device).eval()
     pad_id = model.generation_config.pad_token_id
     model.generation_config.eos_token_id = None  # ignore_eos, like the engine side
     if pad_id is None:
@@ -218,10 +226,10 @@ def run_hf_baseline(model_dir: Path, work: Workload, dtype: str, full_sweep: boo
     elif isinstance(pad_id, list):
         pad_id = pad_id[0]
     hf_static_batches(model, Workload("warm", [[1] * 40, [2] * 20], [4, 4]), 2, pad_id)  # warm-up
-    sample = work if full_sweep else work.head(CALIBRATION_REQUESTS)
+    sample = work if full_sweep else work.head(calibration_requests)
     calibration: dict[int, float] = {}
     times: dict[int, tuple[float, float]] = {}
-    for bsz in BASELINE_BATCHES:
+    for bsz in batches:
         times[bsz] = hf_static_batches(model, sample, bsz, pad_id)
         calibration[bsz] = sample.output_tokens / times[bsz][0]
     best = max(calibration, key=calibration.get)

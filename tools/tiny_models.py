@@ -120,8 +120,12 @@ def build_tokenizer(vocab_size: int):
     )
 
 
-def build_tiny_model(out_dir: str | os.PathLike, arch: str = "llama", seed: int = 0, **shape: Any) -> Path:
-    """Write a seeded random-weight checkpoint of `arch` (llama, qwen2, qwen3) to out_dir."""
+def build_tiny_model(out_dir: str | os.PathLike, arch: str = "llama", seed: int = 0, *, dtype: str = "float32",
+                     device: Any = None, **shape: Any) -> Path:
+    """Write a seeded random-weight checkpoint of `arch` (llama, qwen2, qwen3) to out_dir.
+
+    The weights are initialised on `device` (default the CPU; a GPU builds a 1B model in seconds)
+    and saved as `dtype` (a torch dtype name)."""
     import torch
     import transformers
 
@@ -141,11 +145,14 @@ def build_tiny_model(out_dir: str | os.PathLike, arch: str = "llama", seed: int 
     shape.setdefault("tie_word_embeddings", False)
     config = config_cls(bos_token_id=None, eos_token_id=[eos, im_end], pad_token_id=eos, **shape)
     torch.manual_seed(seed)
-    model = model_cls(config).to(torch.float32).eval()
+    with torch.device(device or "cpu"):
+        model = model_cls(config)
+    model = model.to(getattr(torch, dtype)).eval()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    del model
     return out
 
 

@@ -1,13 +1,20 @@
-"""Turn a dataset row into a Job: a prompt template, a prompt column, or a messages column."""
+"""Turn a dataset row into a Job: a prompt template, a prompt column, or a messages column.
+
+`JobSpec.job` builds a row's Job and validates it against the wire contract, once: the backends
+take the validated Job as it is (the local engine runs it, Kafka sends its wire form).
+"""
 
 from __future__ import annotations
 
 import json
 import string
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tools.backfill.identity import fingerprint
+
+if TYPE_CHECKING:
+    from schemas import Job
 
 
 class RowError(ValueError):
@@ -62,6 +69,18 @@ class JobSpec:
                 "tenant": self.tenant,
             }
         )
+
+    def job(self, job_id: str, row_number: int, row: dict[str, Any]) -> Job:
+        """The row's Job, validated; RowError names what is wrong with it (a missing column, a
+        field the contract refuses)."""
+        from pydantic import ValidationError
+
+        from schemas import Job, format_validation_error
+
+        try:
+            return Job.model_validate(self.job_dict(job_id, row_number, row))
+        except ValidationError as exc:
+            raise RowError(format_validation_error(exc)) from None
 
     def job_dict(self, job_id: str, row_number: int, row: dict[str, Any]) -> dict[str, Any]:
         job: dict[str, Any] = {"job_id": job_id}

@@ -13,23 +13,25 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tools.backfill.store import ResultStore
+from tools.backfill.store import ResultStore, StoredRow
 
 OUTPUT_FORMATS = ("jsonl", "parquet", "openai")
 _PARQUET_ROWS_PER_GROUP = 8192
 
 
-def output_row(row, job_id, key, submitted_at, received_at, result: dict[str, Any]) -> dict[str, Any]:
+def output_row(stored: StoredRow) -> dict[str, Any]:
+    result = stored.result or {}
     usage = result.get("usage") or {}
     error = result.get("error") or {}
     timing = result.get("timing") or {}
     latency = None
-    if submitted_at is not None and received_at is not None and received_at >= submitted_at:
-        latency = round((received_at - submitted_at) * 1000.0, 3)
+    sub, rec = stored.submitted_at, stored.received_at
+    if sub is not None and rec is not None and rec >= sub:
+        latency = round((rec - sub) * 1000.0, 3)
     return {
-        "row": row,
-        "key": key,
-        "job_id": job_id,
+        "row": stored.row,
+        "key": stored.key,
+        "job_id": stored.job_id,
         "status": result.get("status"),
         "text": result.get("text"),
         "finish_reason": result.get("finish_reason"),
@@ -82,10 +84,10 @@ def write_output(store: ResultStore, path: Path, fmt: str) -> int:
         schema = _parquet_schema()
         buf: list[dict] = []
         with pq.ParquetWriter(str(path), schema) as writer:
-            for row, job_id, key, _chat, sub, rec, result in store.iter_output():
-                _check(row, expected_row, result)
+            for stored in store.iter_output():
+                _check(stored, expected_row)
                 expected_row += 1
-                buf.append(output_row(row, job_id, key, sub, rec, result))
+                buf.append(output_row(stored))
                 if len(buf) >= _PARQUET_ROWS_PER_GROUP:
                     writer.write_table(pa.Table.from_pylist(buf, schema=schema))
                     written += len(buf)
@@ -96,24 +98,24 @@ def write_output(store: ResultStore, path: Path, fmt: str) -> int:
         return written
 
     with open(path, "w", encoding="utf-8") as f:
-        for row, job_id, key, chat, sub, rec, result in store.iter_output():
-            _check(row, expected_row, result)
+        for stored in store.iter_output():
+            _check(stored, expected_row)
             expected_row += 1
             if fmt == "openai":
                 from schemas import Result, openai_batch_output_line
 
                 line = openai_batch_output_line(
-                    Result.model_validate(result), "/v1/chat/completions" if chat else "/v1/completions"
+                    Result.model_validate(stored.result), "/v1/chat/completions" if stored.chat else "/v1/completions"
                 )
             else:
-                line = output_row(row, job_id, key, sub, rec, result)
+                line = output_row(stored)
             f.write(json.dumps(line, ensure_ascii=False) + "\n")
             written += 1
     return written
 
 
-def _check(row: int, expected: int, result: dict | None) -> None:
-    if row != expected:
-        raise RuntimeError(f"backfill state has a gap: row {expected} missing before row {row}")
-    if result is None:
-        raise RuntimeError(f"row {row} has no result yet")
+def _check(stored: StoredRow, expected: int) -> None:
+    if stored.row != expected:
+        raise RuntimeError(f"backfill state has a gap: row {expected} missing before row {stored.row}")
+    if stored.result is None:
+        raise RuntimeError(f"row {stored.row} has no result yet")

@@ -17,8 +17,12 @@ import json
 import sqlite3
 import time
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tools.backfill.rows import PlannedRow
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -46,6 +50,19 @@ CREATE TABLE IF NOT EXISTS offsets (
 RETRYABLE = ("error", "expired")
 
 
+@dataclass(frozen=True)
+class StoredRow:
+    """One row of the output as the store holds it (`iter_output`)."""
+
+    row: int
+    job_id: str
+    key: str | None
+    chat: bool
+    submitted_at: float | None  # unix seconds, when this row's job was last submitted
+    received_at: float | None  # unix seconds, when its result was stored
+    result: dict[str, Any] | None  # the Result as JSON; None while the row is pending
+
+
 class ResultStore:
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -67,8 +84,8 @@ class ResultStore:
         self.db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)", (key, value))
 
     # -- planning ---------------------------------------------------------------------------
-    def plan_rows(self, entries: Iterable[tuple[int, str, str | None, bool]], retry_failed: bool) -> list[int]:
-        """Record (row, job_id, key, chat) entries; return the indexes (into entries) to submit.
+    def plan_rows(self, entries: Iterable[PlannedRow], retry_failed: bool) -> list[int]:
+        """Record the planned rows; return the indexes (into entries) to submit.
 
         A row needs a job when its job id has no result, or (with retry_failed) only an error or
         expired one, which is then dropped so the new attempt's result replaces it.
@@ -80,14 +97,14 @@ class ResultStore:
             self.db.executemany(
                 "INSERT OR REPLACE INTO rows(row, job_id, key, chat, submitted_at) VALUES "
                 "(?, ?, ?, ?, (SELECT submitted_at FROM rows WHERE row=? AND job_id=?))",
-                [(r, j, k, int(c), r, j) for r, j, k, c in entries],
+                [(e.number, e.job_id, e.key, int(e.chat), e.number, e.job_id) for e in entries],
             )
-            for i, (_, job_id, _, _) in enumerate(entries):
-                got = self.db.execute("SELECT status FROM results WHERE job_id=?", (job_id,)).fetchone()
+            for i, e in enumerate(entries):
+                got = self.db.execute("SELECT status FROM results WHERE job_id=?", (e.job_id,)).fetchone()
                 if got is None:
                     todo.append(i)
                 elif retry_failed and got[0] in RETRYABLE:
-                    self.db.execute("DELETE FROM results WHERE job_id=?", (job_id,))
+                    self.db.execute("DELETE FROM results WHERE job_id=?", (e.job_id,))
                     todo.append(i)
             self.db.execute("COMMIT")
         except BaseException:
@@ -167,11 +184,11 @@ class ResultStore:
     def row_count(self) -> int:
         return self.db.execute("SELECT COUNT(*) FROM rows").fetchone()[0]
 
-    def iter_output(self) -> Iterator[tuple[int, str, str | None, bool, float | None, float | None, dict | None]]:
-        """(row, job_id, key, chat, submitted_at, received_at, result) in input order, streamed."""
+    def iter_output(self) -> Iterator[StoredRow]:
+        """Every row with its result (if any), in input order, streamed."""
         cur = self.db.execute(
             "SELECT rows.row, rows.job_id, rows.key, rows.chat, rows.submitted_at, results.received_at, "
             "results.result FROM rows LEFT JOIN results ON results.job_id = rows.job_id ORDER BY rows.row"
         )
         for row, job_id, key, chat, sub, rec, res in cur:
-            yield row, job_id, key, bool(chat), sub, rec, (json.loads(res) if res is not None else None)
+            yield StoredRow(row, job_id, key, bool(chat), sub, rec, json.loads(res) if res is not None else None)

@@ -13,16 +13,16 @@ from worker.cli.engine_options import add_engine_options, engine_kwargs, positiv
 LOCAL_ENGINE_EXCLUDED = ("model", "seed")
 
 
+HELP = "run a whole dataset (JSONL, CSV, Parquet; local or s3://) through tokenmill, resumably"
+DESCRIPTION = (
+    "One Job per dataset row; results are collected, deduplicated by job_id and written as "
+    "one output row per input row, in input order. Rerun the same command after an "
+    "interruption: only rows without a result are submitted again."
+)
+
+
 def register(subparsers) -> None:
-    p = subparsers.add_parser(
-        "backfill",
-        help="run a whole dataset (JSONL, CSV, Parquet; local or s3://) through tokenmill, resumably",
-        description=(
-            "One Job per dataset row; results are collected, deduplicated by job_id and written as "
-            "one output row per input row, in input order. Rerun the same command after an "
-            "interruption: only rows without a result are submitted again."
-        ),
-    )
+    p = subparsers.add_parser("backfill", help=HELP, description=DESCRIPTION)
     p.add_argument("--input", required=True, help="dataset path or s3://bucket/key (.jsonl, .csv, .parquet, .gz)")
     p.add_argument("--output", required=True, help="output path or s3:// URL (.jsonl or .parquet)")
     p.add_argument("--input-format", choices=("jsonl", "csv", "parquet"), help="default: from the input name")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from worker.cli.engine_options import add_engine_options, positive_int
+from worker.cli.engine_options import add_engine_options, engine_config_from_args, positive_int
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -31,10 +31,28 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def run(args: argparse.Namespace) -> int:
-    from worker.batch_runner import BatchRunner
+def served_model_name(args: argparse.Namespace) -> str | None:
+    """--served-model-name, else for an s3:// model its last path part (the local cache folder's
+    name says nothing), else None (the engine names it after the checkpoint folder)."""
+    if args.served_model_name is None and str(args.model).startswith("s3://"):
+        return str(args.model).rstrip("/").rsplit("/", 1)[-1]
+    return args.served_model_name
 
-    runner = BatchRunner.from_args(args)
+
+def build_runner(args: argparse.Namespace):
+    """The engine from the flags, and the BatchRunner that drives it."""
+    from worker.batch_runner import BatchRunner
+    from worker.engine import Engine
+    from worker.storage.checkpoint import resolve_model_path
+
+    config = engine_config_from_args(args, str(resolve_model_path(args.model)),
+                                     served_model_name=served_model_name(args))
+    return BatchRunner(Engine(config), worker_name=args.worker_name, output_format=args.output_format,
+                       max_in_flight=args.max_in_flight, progress=not args.no_progress)
+
+
+def run(args: argparse.Namespace) -> int:
+    runner = build_runner(args)
     summary = runner.run(args.input, args.output)
     print(
         f"run-batch: {summary['lines']} lines -> {summary['ok']} ok, {summary['error']} error, "

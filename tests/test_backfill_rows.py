@@ -1,0 +1,113 @@
+"""Backfill rows and backends without a model or a broker: planned rows, jobs validated once,
+and what each backend does with the validated Jobs."""
+
+import asyncio
+import json
+
+import pytest
+
+from schemas import Job
+from tests.offline_helpers import ScriptedEngine
+from tools.backfill import BackfillConfig, JobSpec
+from tools.backfill.kafka_backend import KafkaBackend
+from tools.backfill.local_backend import LocalBackend
+from tools.backfill.rows import PlannedRow, RowPlanner, jobs_for
+from tools.backfill.store import ResultStore
+from worker.offline import OfflineRunner
+
+SPEC = JobSpec(prompt_template="Q: {text}", sampling={"max_tokens": 2}, metadata_columns=("id",))
+
+
+def _planned(n, columns):
+    return PlannedRow(n, f"bf-test-{n:09d}", str(n), False, columns)
+
+
+def test_the_planner_streams_planned_rows_with_keys(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps({"id": f"k{i}", "text": f"t{i}"}) + "\n" for i in range(5)))
+    planner = RowPlanner(SPEC, path, "jsonl", "ds", "cfg", key_column="id")
+    rows = [r for chunk in planner.chunks() for r in chunk]
+    assert [r.number for r in rows] == list(range(5)) and [r.key for r in rows] == [f"k{i}" for i in range(5)]
+    assert rows[0].columns == {"id": "k0", "text": "t0"} and not rows[0].chat and planner.rows_seen == 5
+    assert len({r.job_id for r in rows}) == 5 and all(r.job_id.startswith("bf-") for r in rows)
+    assert [r.key for chunk in RowPlanner(SPEC, path, "jsonl", "ds", "cfg").chunks() for r in chunk] == list("01234")
+    with pytest.raises(ValueError, match="no key column 'nope'"):
+        list(RowPlanner(SPEC, path, "jsonl", "ds", "cfg", key_column="nope").chunks())
+
+
+def test_jobs_for_validates_each_row_once_and_answers_the_rest_with_invalid_job():
+    rows = [
+        _planned(0, {"id": "a", "text": "fine"}),
+        _planned(1, {"id": "b"}),  # no text column
+        _planned(2, {"id": "c", "text": ""}),  # an empty prompt: the contract refuses it
+    ]
+    spec = JobSpec(prompt_column="text", metadata_columns=("id",))
+    jobs, errors = jobs_for(rows, spec, "m")
+    assert [(row.number, type(job)) for row, job in jobs] == [(0, Job)]
+    assert jobs[0][1].prompt == "fine" and jobs[0][1].metadata == {"row": 0, "id": "a"}
+    assert [e["job_id"] for e in errors] == ["bf-test-000000001", "bf-test-000000002"]
+    assert {e["error"]["code"] for e in errors} == {"invalid_job"}
+    assert errors[0]["error"]["message"].startswith("row 1: ") and "text" in errors[0]["error"]["message"]
+    assert errors[1]["error"]["message"].startswith("row 2: ") and "prompt" in errors[1]["error"]["message"]
+    assert errors[0]["model"] == "m" and errors[0]["metadata"] == {"row": 1}
+    assert jobs_for(rows[1:2], spec, "")[1][0]["model"] == "none"
+
+
+def _validations(monkeypatch):
+    calls = []
+    original = Job.model_validate.__func__
+
+    def counting(cls, *args, **kwargs):
+        calls.append(1)
+        return original(cls, *args, **kwargs)
+
+    monkeypatch.setattr(Job, "model_validate", classmethod(counting))
+    return calls
+
+
+def test_the_local_backend_runs_the_validated_jobs_through_the_offline_runner(tmp_path, monkeypatch):
+    rows = [_planned(i, {"id": f"k{i}", "text": f"t{i}"}) for i in range(5)]
+    store = ResultStore(tmp_path / "state.sqlite")
+    store.plan_rows(rows, retry_failed=False)
+    cfg = BackfillConfig(input="-", output="-", spec=SPEC, engine="local", model_path="unused", max_in_flight=2)
+    backend = LocalBackend(cfg)
+    backend.store, backend.model_name = store, "scripted"
+    engine = ScriptedEngine(max_num_seqs=4, steps=2)
+    backend.runner = OfflineRunner(engine, worker="backfill", max_in_flight=cfg.max_in_flight)
+    seen = []
+    backend.on_results = seen.extend
+    jobs = [job for _, job in jobs_for(rows, SPEC, "scripted")[0]]
+    calls = _validations(monkeypatch)
+    asyncio.run(backend.submit(jobs))
+    asyncio.run(backend.wait_done(None))
+    assert calls == [] and engine.peak == 2
+    assert sorted(r["job_id"] for r in seen) == [r.job_id for r in rows]
+    assert store.counts() == {"ok": 5, "error": 0, "expired": 0, "pending": 0}
+    store.close()
+
+
+class _Producer:
+    def __init__(self):
+        self.sent = []
+
+    async def send(self, topic, value, key):
+        self.sent.append((topic, value, key))
+        future = asyncio.get_running_loop().create_future()
+        future.set_result(None)
+        return future
+
+
+def test_the_kafka_backend_sends_each_validated_job_in_its_wire_form(monkeypatch):
+    spec = JobSpec(prompt_column="text", model="served", sampling={"max_tokens": 2, "temperature": 0.0})
+    cfg = BackfillConfig(input="-", output="-", spec=spec, bootstrap_servers="unused", jobs_topic="jobs.{model}")
+    backend = KafkaBackend(cfg, "bf-test-")
+    backend.producer = _Producer()
+    jobs = [job for _, job in jobs_for([_planned(i, {"text": f"t{i}"}) for i in range(3)], spec, "served")[0]]
+    calls = _validations(monkeypatch)
+    asyncio.run(backend.submit(jobs))
+    assert calls == []
+    assert [(topic, key) for topic, _, key in backend.producer.sent] == [
+        ("jobs.served", f"bf-test-{i:09d}".encode()) for i in range(3)
+    ]
+    first = json.loads(backend.producer.sent[0][1])
+    assert first == spec.job_dict("bf-test-000000000", 0, {"text": "t0"})  # the fields given, defaults implicit

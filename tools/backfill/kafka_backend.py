@@ -1,0 +1,134 @@
+"""The Kafka backend: jobs to the jobs topic, Results read back from the results topic.
+
+The results topic is read from positions kept in the store, committed in the same transaction as
+the results they carried, so a crash never skips or double-counts one. Only records of this
+dataset (job id prefix, see identity.job_id_prefix) are kept.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from tools.backfill.backend import Backend
+from tools.backfill.config import BackfillConfig
+
+if TYPE_CHECKING:
+    from schemas import Job
+    from tools.backfill.store import ResultStore
+
+log = logging.getLogger(__name__)
+
+
+class KafkaBackend(Backend):
+    def __init__(self, cfg: BackfillConfig, id_prefix: str):
+        super().__init__()
+        if not cfg.bootstrap_servers:
+            raise ValueError("--engine kafka needs --bootstrap-servers")
+        self.cfg = cfg
+        self.prefix = id_prefix.encode()
+        self.producer = None
+        self.consumer = None
+        self.collector: asyncio.Task | None = None
+        self.model_name = cfg.spec.model or ""
+
+    async def start(self, store: ResultStore) -> str | None:
+        from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+
+        from tools.kafka_topics import topic_partitions
+
+        opts = dict(self.cfg.kafka_options)
+        topic = self.cfg.results_topic
+        self.consumer = AIOKafkaConsumer(
+            bootstrap_servers=self.cfg.bootstrap_servers, group_id=None, enable_auto_commit=False,
+            isolation_level="read_committed", auto_offset_reset="earliest", **opts,
+        )
+        await self.consumer.start()
+        self.producer = AIOKafkaProducer(
+            bootstrap_servers=self.cfg.bootstrap_servers, acks="all", enable_idempotence=True,
+            linger_ms=5, **opts,
+        )
+        await self.producer.start()
+        tps = [TopicPartition(topic, p) for p in await topic_partitions(self.consumer, topic)]
+        self.consumer.assign(tps)
+        stored = store.offsets(topic)
+        fresh = [tp for tp in tps if tp.partition not in stored]
+        if fresh:
+            # First run (or new partitions): results start at the current end, recorded before
+            # any job is sent, so none of ours can be missed.
+            ends = await self.consumer.end_offsets(fresh)
+            store.add_results([], {(topic, tp.partition): off for tp, off in ends.items()})
+            stored = store.offsets(topic)
+        for tp in tps:
+            self.consumer.seek(tp, stored[tp.partition])
+        self.store = store
+        self.collector = asyncio.create_task(self._collect())
+        return None  # the model is identified by its served name (JobSpec.model)
+
+    async def _collect(self) -> None:
+        while True:
+            batches = await self.consumer.getmany(timeout_ms=300, max_records=2000)
+            results, offsets = [], {}
+            for tp, records in batches.items():
+                for rec in records:
+                    key = rec.key or b""
+                    if key.startswith(self.prefix) or (not key and rec.value and self.prefix in rec.value[:400]):
+                        try:
+                            results.append(json.loads(rec.value))
+                        except ValueError:
+                            log.warning("unreadable record at %s:%d offset %d", tp.topic, tp.partition, rec.offset)
+                if records:
+                    offsets[(tp.topic, tp.partition)] = records[-1].offset + 1
+            if offsets:
+                self.record(results, offsets)
+
+    def _topic_for(self, job: Job) -> str:
+        template = self.cfg.jobs_topic
+        if "{model}" in template:
+            if not job.model:
+                raise ValueError("--jobs-topic routes by {model} but no --model was given")
+            return template.format(model=job.model)
+        return template
+
+    async def submit(self, jobs: list[Job]) -> None:
+        futures = []
+        for job in jobs:
+            futures.append(await self.producer.send(self._topic_for(job), value=job.to_json_bytes(),
+                                                    key=job.job_id.encode()))
+        await asyncio.gather(*futures)
+        self._raise_if_collector_failed()
+
+    def _raise_if_collector_failed(self) -> None:
+        if self.collector is not None and self.collector.done() and not self.collector.cancelled():
+            exc = self.collector.exception()
+            if exc is not None:
+                raise exc
+
+    async def wait_done(self, timeout_s: float | None) -> None:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            t0 = time.monotonic()
+            pending = self.store.counts()["pending"]
+            query_s = time.monotonic() - t0
+            if not pending:
+                return
+            self._raise_if_collector_failed()
+            if deadline is not None and time.monotonic() > deadline:
+                return
+            # Counting is a scan of the store: poll less often on very large backfills.
+            await asyncio.sleep(max(0.25, 10 * query_s))
+
+    async def close(self) -> None:
+        if self.collector is not None:
+            self.collector.cancel()
+            try:
+                await self.collector
+            except (asyncio.CancelledError, Exception):
+                pass
+        if self.producer is not None:
+            await self.producer.stop()
+        if self.consumer is not None:
+            await self.consumer.stop()

@@ -1,0 +1,7 @@
+"""`python -m tools.gpu_check`: see tools/gpu_check/__init__.py."""
+
+import sys
+
+from tools.gpu_check.runner import main
+
+sys.exit(main())
