@@ -239,7 +239,7 @@ def test_a_decode_step_reads_only_the_sampled_ids_from_the_device(llama_dir, mon
     deltas = engine.step()
     monkeypatch.undo()
     assert len(deltas) == 3 and engine.runner.num_graph_steps == graph_steps + 1
-    assert calls == [("tolist", "engine.py")]
+    assert calls == [("tolist", "overlap.py")]
 
 
 # ------------------------------------------------------------------------------ async scheduling
@@ -287,13 +287,13 @@ def test_async_request_preempted_with_its_last_token_in_flight_finishes_from_the
     from worker.engine.scheduler import Scheduler
 
     removed_while_waiting = []
-    original = Scheduler.remove
+    original = Scheduler.finish_many
 
-    def remove(self, request):
-        removed_while_waiting.append(request.status is RequestStatus.WAITING)
-        return original(self, request)
+    def finish_many(self, ended):
+        removed_while_waiting.extend(request.status is RequestStatus.WAITING for request, _ in ended)
+        return original(self, ended)
 
-    monkeypatch.setattr(Scheduler, "remove", remove)
+    monkeypatch.setattr(Scheduler, "finish_many", finish_many)
     prompts = make_prompts(8, seed=2)
     max_new = [5, 3, 8, 6, 4, 9, 7, 5]
     engine = engine_for(llama_dir, async_scheduling="on", kv_cache_gb=kv_gb(llama_dir, 10, 4))
@@ -304,6 +304,15 @@ def test_async_request_preempted_with_its_last_token_in_flight_finishes_from_the
         assert per_request[f"r{i}"][-1].output_token_ids == hf_greedy(p, n), i
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     assert not engine.scheduler.waiting and not engine.scheduler.running
+
+
+@pytest.mark.parametrize("async_scheduling", ["off", "on"])
+def test_the_runner_frees_its_rows_from_the_finished_and_preempted_requests_of_each_step(llama_dir, async_scheduling):
+    engine = engine_for(llama_dir, async_scheduling=async_scheduling, kv_cache_gb=kv_gb(llama_dir, 12, 4))
+    per_request = run_collecting(engine, greedy_requests(make_prompts(8, seed=2), [9, 8, 7, 9, 6, 8, 9, 5]))
+    assert len(per_request) == 8 and engine.metrics.num_preemptions > 0
+    engine.step()  # the last requests to finish are named in the next step's output
+    assert sorted(engine.runner._free_rows) == [0, 1, 2, 3]
 
 
 def test_async_with_graphs_matches_transformers(llama_dir, hf_greedy):
@@ -374,7 +383,8 @@ def test_async_abort_of_a_request_with_a_token_in_flight(llama_dir):
 
     for _ in range(4):
         collect(engine.step())
-    assert engine._in_flight is not None and any(r.request_id == "r1" for r in engine._in_flight.requests)
+    in_flight = engine.overlap.in_flight
+    assert in_flight is not None and any(r.request_id == "r1" for r in in_flight.requests)
     engine.abort("r1")
     collect(engine.step())
     assert deltas["r1"][-1].finish_reason is FinishReason.ABORTED
@@ -398,7 +408,7 @@ def test_requests_needing_host_history_make_steps_synchronous(llama_dir):
         per_request = run_collecting(engine, reqs)
         assert_deltas_consistent(per_request)
         finals[mode] = {rid: ds[-1] for rid, ds in per_request.items()}
-        assert engine._in_flight is None and not engine._needs_host_history
+        assert engine.overlap.in_flight is None and not engine.overlap.needs_host_history
     for rid in finals["off"]:
         assert finals["on"][rid].output_token_ids == finals["off"][rid].output_token_ids, rid
         assert finals["on"][rid].logprobs == finals["off"][rid].logprobs, rid

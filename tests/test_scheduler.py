@@ -30,7 +30,7 @@ def run_step(s, out, finished_after=None):
             r.append_output(7)
             if r.num_output_tokens >= (finished_after or r.sampling.max_tokens):
                 done.append(r)
-    s.remove_finished(done)
+    s.finish_many([(r, FinishReason.LENGTH) for r in done])
     return done
 
 
@@ -75,7 +75,7 @@ def test_preemption_takes_lowest_priority_newest_first_and_recomputes_from_cache
     assert c.status is RequestStatus.WAITING and c.num_computed_tokens == 0
     assert [r.request_id for r in out.requests] == ["a", "b"]
     run_step(s, out)
-    s.remove_finished([a, b])
+    s.finish_many([(a, FinishReason.LENGTH), (b, FinishReason.LENGTH)])
     out = s.schedule()
     # c comes back and its first full block is a prefix-cache hit (its own, kept after preemption).
     assert out.requests == [c]
@@ -154,7 +154,7 @@ def test_random_workload_respects_budgets_and_leaks_nothing():
     budget, max_seqs = 48, 12
     s = sched(num_blocks=40, block_size=4, max_num_batched_tokens=budget, max_num_seqs=max_seqs)
     prefixes = [[rng.randrange(30) for _ in range(rng.randint(0, 24))] for _ in range(4)]
-    added = finished = steps = 0
+    added = finished = steps = preemptions = 0
     while added < 300 or s.has_work():
         if added < 300 and rng.random() < 0.5:
             toks = rng.choice(prefixes) + [rng.randrange(30) for _ in range(rng.randint(1, 30))]
@@ -162,9 +162,10 @@ def test_random_workload_respects_budgets_and_leaks_nothing():
                        max_tokens=rng.randint(1, 20), tenant=rng.choice([None, "t"])))
             added += 1
         if rng.random() < 0.03 and s.running:  # abort one (the engine does it between steps)
-            s.remove(rng.choice(s.running))
+            s.finish(rng.choice(s.running), FinishReason.ABORTED)
             finished += 1
         out = s.schedule()
+        preemptions += len(out.preempted)
         assert out.num_batched_tokens <= budget
         assert len(out.requests) <= max_seqs and len(s.running) <= max_seqs
         assert len(set(map(id, out.requests))) == len(out.requests)
@@ -177,6 +178,68 @@ def test_random_workload_respects_budgets_and_leaks_nothing():
         if steps % 50 == 0:
             s.bm.check_invariants([r.kv for r in s.running + s.waiting])
     assert finished == 300
-    assert s.num_preemptions > 0
+    assert preemptions > 0
     s.bm.check_invariants([])
     assert s.bm.num_free_blocks == s.bm.num_blocks
+
+
+def test_finish_takes_a_request_out_frees_its_blocks_and_names_it_in_the_next_output():
+    s = sched(num_blocks=16, block_size=4, max_num_seqs=1)
+    running = make("running", range(8))
+    waiting = make("waiting", range(20, 28), arrival=1)
+    s.add(running)
+    s.add(waiting)
+    out = s.schedule()
+    assert out.requests == [running] and s.waiting == [waiting] and out.finished == []
+    s.finish(running, FinishReason.ABORTED)
+    s.finish(waiting, FinishReason.ABORTED)
+    for r in (running, waiting):
+        assert r.status is RequestStatus.FINISHED and r.finish_reason is FinishReason.ABORTED
+        assert r.block_table == []
+    assert not s.running and not s.waiting and not s.has_work()
+    assert s.bm.num_free_blocks == s.bm.num_blocks
+    out = s.schedule()
+    assert out.finished == [running, waiting] and out.is_empty
+    assert s.schedule().finished == []  # named once
+
+
+def test_finish_many_ends_running_requests_in_one_pass_and_keeps_the_others():
+    s = sched(num_blocks=64, block_size=4)
+    reqs = [make(f"r{i}", range(10 * i, 10 * i + 5), arrival=i) for i in range(5)]
+    for r in reqs:
+        s.add(r)
+    run_step(s, s.schedule(), finished_after=100)
+    s.finish_many([(reqs[1], FinishReason.STOP), (reqs[3], FinishReason.LENGTH)])
+    assert s.running == [reqs[0], reqs[2], reqs[4]]
+    assert [r.finish_reason for r in reqs] == [None, FinishReason.STOP, None, FinishReason.LENGTH, None]
+    s.bm.check_invariants([r.kv for r in s.running])
+    assert s.schedule().finished == [reqs[1], reqs[3]]
+
+
+def test_a_request_the_scheduler_never_held_can_be_finished():
+    s = sched()
+    refused = make("refused", range(4))  # e.g. a prompt too long: never added
+    s.finish(refused, FinishReason.ERROR)
+    assert refused.status is RequestStatus.FINISHED and refused.finish_reason is FinishReason.ERROR
+    assert s.schedule().finished == [refused]
+
+
+def test_expired_requests_are_finished_and_named_in_the_same_output():
+    s = sched(clock=lambda: 10.0)
+    late = make("late", range(4), deadline_ms=1.0)
+    s.add(late)
+    out = s.schedule()
+    assert out.expired == [late] and out.finished == [late] and out.is_empty
+    assert late.status is RequestStatus.FINISHED and not s.has_work()
+
+
+def test_a_preempted_request_is_named_in_the_output_and_keeps_running_later():
+    s = sched(num_blocks=4, block_size=4, max_num_batched_tokens=64)
+    a = make("a", range(7), arrival=0)
+    b = make("b", range(50, 57), arrival=1)
+    s.add(a)
+    s.add(b)
+    run_step(s, s.schedule(), finished_after=100)
+    run_step(s, s.schedule(), finished_after=100)  # 8 + 8 tokens: both full
+    out = s.schedule()  # a needs a third block: b goes back to waiting
+    assert out.preempted == [b] and b.status is RequestStatus.WAITING and out.finished == []

@@ -14,25 +14,34 @@ GPU path (see docs/engine.md, "GPU path"): decode-only steps that fit a captured
 graph (cuda_graphs.py); step inputs go through persistent pinned host buffers with non-blocking
 copies; nothing in a step waits for the GPU (the engine's read of the sampled token ids is the
 only synchronisation); and a decode row may take its input token from the previous step's sampled
-ids while they are still on the device (async scheduling).
+ids while they are still on the device (overlapped steps: `execute(out, pending)`).
+
+Each step's SchedulerOutput names the requests that finished or were preempted since the last one:
+execute frees their block-table rows before it places the step's requests.
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
 import math
 import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from worker.engine.attention import AttentionMetadata, OutputRows
 from worker.engine.cuda_graphs import DecodeGraphRunner, capture_sizes
-from worker.engine.request import Request
-from worker.engine.scheduler import PENDING_TOKEN
+from worker.engine.request import PENDING_TOKEN, Request
+
+if TYPE_CHECKING:
+    from worker.engine.scheduler import SchedulerOutput
+
+log = logging.getLogger(__name__)
 
 GRAPH_MODES = ("off", "on", "eager")
 
@@ -47,6 +56,15 @@ class StepInputs:
     prompt_tokens_computed: int  # tokens of this step at prompt positions (prefill work)
     live_tokens: int  # tokens with KV after this step, summed over the batch's requests
     slots_allocated: int  # block slots those requests hold
+
+
+@dataclass
+class PendingTokens:
+    """The previous step's sampled ids, still on the device (overlapped steps): a decode row of
+    one of these requests whose input token is PENDING_TOKEN on the host reads it from here."""
+
+    ids: torch.Tensor  # [len(requests)] sampled ids, on the device
+    requests: Sequence[Request]  # the requests that sampled them, in row order
 
 
 _HUGE_PAGE = 2 << 20
@@ -147,6 +165,7 @@ class ModelRunner:
         if graph_mode not in GRAPH_MODES:
             raise ValueError(f"graph_mode must be one of {', '.join(GRAPH_MODES)}, got {graph_mode!r}")
         self.model = model
+        self.graph_mode = graph_mode
         self.device = device
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -176,10 +195,6 @@ class ModelRunner:
                 batch_sizes=capture_sizes(max_num_seqs), use_graphs=graph_mode == "on",
             )
         self.num_graph_steps = 0  # steps run by the graph runner (tests check the path is taken)
-        # The previous step's sampled ids, still on the device, and each sampling request's row in
-        # them: decode rows whose input token is PENDING_TOKEN take it from there (async scheduling).
-        self._prev_sampled: torch.Tensor | None = None
-        self._prev_rows: dict[Request, int] = {}
 
     def _make_staging(self, max_tokens: int) -> PinnedStaging:
         seqs, width = self._max_num_seqs, self.max_blocks_per_seq
@@ -201,22 +216,35 @@ class ModelRunner:
             self.device,
         )
 
-    def capture_graphs(self) -> None:
+    def capture_graphs(self, *, fall_back: bool = False) -> None:
         """Capture the decode graphs (CUDA, graph_mode "on"); call once the KV cache exists and
-        before the first real step. A no-op otherwise."""
-        if self.graph_runner is not None:
+        before the first real step. A no-op otherwise. With fall_back (graphs only chosen by
+        "auto"), a capture that fails (e.g. an op that cannot be captured on this GPU) leaves the
+        runner without graphs (graph_mode "off"), with a warning; otherwise the failure is raised."""
+        if self.graph_runner is None:
+            return
+        try:
             self.graph_runner.capture()
+        except Exception:
+            if not fall_back:
+                raise
+            log.warning("CUDA graph capture failed; decode steps run without graphs", exc_info=True)
+            self.graph_runner = None
+            self.graph_mode = "off"
 
     @staticmethod
     def kv_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, block_size: int) -> int:
         return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
     # ------------------------------------------------------------------ rows
-    def release(self, request: Request) -> None:
-        """The request left the running set (finished or preempted): free its block-table row."""
-        if request.runner_row >= 0:
-            self._free_rows.append(request.runner_row)
-            request.runner_row = -1
+    def _release_rows(self, out: SchedulerOutput) -> None:
+        """Free the block-table rows of the requests that left the running set since the last step."""
+        free = self._free_rows
+        for group in (out.finished, out.preempted):
+            for request in group:
+                if request.runner_row >= 0:
+                    free.append(request.runner_row)
+                    request.runner_row = -1
 
     def _sync_rows(self, requests: Sequence[Request]) -> np.ndarray:
         rows = np.empty(len(requests), dtype=np.int64)
@@ -236,7 +264,7 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ one step
     def prepare(
-        self, requests: Sequence[Request], num_new_tokens: Sequence[int]
+        self, requests: Sequence[Request], num_new_tokens: Sequence[int], pending: PendingTokens | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, OutputRows | None, StepInputs]:
         bs = self.block_size
         num_seqs = len(requests)
@@ -295,13 +323,13 @@ class ModelRunner:
             seq_lens_cpu=seq_lens.tolist(),
         )
         ids_np = np.asarray(ids, dtype=np.int64)
-        pending = self._pending_inputs(requests, ids_np, qsl, ctx, n, totals)
+        fills = self._pending_inputs(requests, ids_np, qsl, ctx, n, totals, pending)
         input_ids = dev("input_ids", ids_np)
-        if pending is not None:
-            # Decode rows of requests whose last token is still on the device (async scheduling):
+        if fills is not None:
+            # Decode rows of requests whose last token is still on the device (overlapped steps):
             # take it from the previous step's sampled ids, without a round trip through the host.
-            dst, src = dev("pending_dst", pending[0]), dev("pending_src", pending[1])
-            input_ids.index_copy_(0, dst, self._prev_sampled.index_select(0, src))
+            dst, src = dev("pending_dst", fills[0]), dev("pending_src", fills[1])
+            input_ids.index_copy_(0, dst, pending.ids.index_select(0, src))
         pos_t = dev("positions", np.ascontiguousarray(positions))
         output_rows = None
         if logits_index is not None:
@@ -328,18 +356,18 @@ class ModelRunner:
 
     def _pending_inputs(
         self, requests: Sequence[Request], ids: np.ndarray, qsl: np.ndarray, ctx: np.ndarray,
-        n: np.ndarray, totals: np.ndarray,
+        n: np.ndarray, totals: np.ndarray, pending: PendingTokens | None,
     ) -> tuple[np.ndarray, np.ndarray] | None:
-        """(flat token index, row of the previous step's sampled ids) of every input token that is
-        PENDING_TOKEN on the host, or None when there is none.
+        """(flat token index, row of pending.ids) of every input token that is PENDING_TOKEN on
+        the host, or None when there is none.
 
         A pending token is always its request's last token, so it is in this step exactly when the
         request's chunk reaches its end.
         """
-        prev = self._prev_rows
         dst: list[int] = []
         src: list[int] = []
-        if prev:
+        if pending is not None and pending.requests:
+            prev = {r: i for i, r in enumerate(pending.requests)}
             for i, r in enumerate(requests):
                 row = prev.get(r)
                 if row is not None and ctx[i] + n[i] == totals[i]:
@@ -354,13 +382,6 @@ class ModelRunner:
         if not dst:
             return None
         return np.asarray(dst, dtype=np.int64), np.asarray(src, dtype=np.int64)
-
-    def set_pending_samples(self, sampled: torch.Tensor | None, requests: Sequence[Request]) -> None:
-        """Record a step's sampled ids [len(requests)] (on the device) before they reach the host:
-        the next step's decode rows of these requests read their input token from them. None
-        clears them (the engine has put every sampled token into the requests)."""
-        self._prev_sampled = sampled
-        self._prev_rows = {} if sampled is None else {r: i for i, r in enumerate(requests)}
 
     def _to_device(self, name: str, a: np.ndarray) -> torch.Tensor:
         if self.device.type == "cpu":
@@ -390,15 +411,23 @@ class ModelRunner:
             buf = self._logits = torch.zeros(max(rows, self._max_num_seqs), vocab, dtype=torch.float32)
         return buf[:rows]
 
-    def execute(self, requests: Sequence[Request], num_new_tokens: Sequence[int]) -> tuple[torch.Tensor | None, StepInputs]:
-        """Launch one batched forward; returns float32 logits [num sampling requests, vocab] (or None).
+    def execute(
+        self, out: SchedulerOutput, pending: PendingTokens | None = None
+    ) -> tuple[torch.Tensor | None, StepInputs | None]:
+        """Free the rows of the requests `out` names as finished or preempted, then launch one
+        batched forward over its requests; returns float32 logits [num sampling requests, vocab]
+        (None when no row samples) and the step's StepInputs (both None for an empty step).
 
+        `pending`: the previous step's sampled ids when they are not on the host yet.
         Nothing here waits for the GPU: on CUDA the logits are still being computed when this
         returns. last_forward_s is the forward's wall time on the CPU (where it runs synchronously);
         on CUDA, forward_start is a CUDA event recorded just before the forward, for timing it.
         """
+        self._release_rows(out)
+        if out.is_empty:
+            return None, None
         # Metadata is built outside inference mode: backends may key per-step plans on tensor versions.
-        input_ids, positions, meta, output_rows, stats = self.prepare(requests, num_new_tokens)
+        input_ids, positions, meta, output_rows, stats = self.prepare(out.requests, out.num_new_tokens, pending)
         self.forward_start = None
         if self.device.type == "cuda":
             self.forward_start = torch.cuda.Event(enable_timing=True)

@@ -5,12 +5,21 @@ from __future__ import annotations
 import enum
 import hashlib
 import itertools
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from worker.engine.block_manager import BlockState
+from worker.engine.sampler import SamplingInputs
 from worker.engine.types import EngineRequest, ErrorKind, FinishReason, SamplingParams, TokenLogprob
 
+if TYPE_CHECKING:
+    from worker.engine.detokenizer import IncrementalDetokenizer
+
 _arrival_counter = itertools.count()
+
+# Host-side stand-in for a token that was sampled but is still on its way from the device (the
+# overlapped mode): it counts towards num_tokens, its id is filled in by resolve_pending.
+PENDING_TOKEN = -1
 
 
 class RequestStatus(enum.Enum):
@@ -32,24 +41,32 @@ class Request:
     The scheduling rule needs one number: `num_computed_tokens` (tokens whose K/V are in the cache).
     Each step the scheduler lets it catch up with `num_tokens` (prompt + generated so far); prefill,
     chunked prefill, decode and recompute after preemption are all this one rule.
+
+    The request owns its tokens: append_output for a token whose id is known; add_pending and
+    resolve_pending for one sampled by an overlapped step, whose id comes a step later.
     """
 
     __slots__ = (
-        "request_id", "sampling", "priority", "arrival_time", "deadline_ms", "tenant",
-        "arrival_seq", "prompt_token_ids", "num_prompt_tokens", "output_token_ids", "kv",
-        "num_computed_tokens", "status", "finish_reason", "error_kind", "error", "num_cached_prompt_tokens",
-        "num_preemptions", "ever_scheduled", "deferred_steps", "first_scheduled_time",
-        "first_token_time", "finish_time", "detokenizer", "sampling_inputs", "output_logprobs",
-        "runner_row",
+        "request_id", "sampling", "priority", "arrival_time", "deadline_ms", "arrival_seq",
+        "prompt_token_ids", "num_prompt_tokens", "output_token_ids", "kv", "num_computed_tokens",
+        "status", "finish_reason", "error_kind", "error", "num_cached_prompt_tokens", "ever_scheduled",
+        "deferred_steps", "first_scheduled_time", "first_token_time", "detokenizer", "sampling_inputs",
+        "output_logprobs", "runner_row",
     )
 
-    def __init__(self, req: EngineRequest, prompt_token_ids: list[int]) -> None:
+    def __init__(
+        self,
+        req: EngineRequest,
+        prompt_token_ids: list[int],
+        *,
+        eos_token_ids: Sequence[int] = (),
+        detokenizer: IncrementalDetokenizer | None = None,
+    ) -> None:
         self.request_id = req.request_id
         self.sampling: SamplingParams = req.sampling
         self.priority = req.priority
         self.arrival_time = req.arrival_time
         self.deadline_ms = req.deadline_ms
-        self.tenant = req.tenant
         self.arrival_seq = next(_arrival_counter)  # tie-break for equal arrival times
         self.prompt_token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
@@ -58,25 +75,24 @@ class Request:
         self.kv = BlockState(token_ids=list(self.prompt_token_ids), salt=tenant_salt(req.tenant))
         self.num_computed_tokens = 0
         self.status = RequestStatus.WAITING
-        self.finish_reason: FinishReason | None = None
+        self.finish_reason: FinishReason | None = None  # set by Scheduler.finish
         self.error_kind: ErrorKind | None = None
         self.error: str | None = None
         self.num_cached_prompt_tokens = 0  # prompt tokens served from the prefix cache (first admission)
-        self.num_preemptions = 0
         self.ever_scheduled = False
         self.deferred_steps = 0  # steps spent held back by prefix-aware admission
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
-        self.finish_time: float | None = None
-        self.detokenizer: Any = None
-        self.sampling_inputs: Any = None
+        self.detokenizer = detokenizer
+        self.sampling_inputs = SamplingInputs(
+            params=req.sampling,
+            prompt_token_ids=self.prompt_token_ids,
+            output_token_ids=self.output_token_ids,  # the live list: grows as tokens come
+            eos_token_ids=eos_token_ids,
+        )
         # Every output token's logprobs, when asked: the final delta carries the whole list.
         self.output_logprobs: list[TokenLogprob] | None = [] if req.sampling.logprobs is not None else None
-        self.runner_row = -1  # row of the model runner's persistent block-table buffer
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.kv.token_ids
+        self.runner_row = -1  # row of the model runner's persistent block-table buffer (the runner's)
 
     @property
     def num_tokens(self) -> int:
@@ -91,17 +107,44 @@ class Request:
         return self.kv.block_table
 
     @property
-    def is_finished(self) -> bool:
-        return self.status is RequestStatus.FINISHED
+    def has_pending_token(self) -> bool:
+        """Its last token is still on its way from the device: it cannot be hashed or recomputed yet."""
+        return self.kv.token_ids[-1] == PENDING_TOKEN
 
-    @property
-    def sort_key(self) -> tuple[int, float, int]:
-        """Priority (lower first), then arrival."""
-        return (self.priority, self.arrival_time, self.arrival_seq)
-
-    def append_output(self, token_id: int) -> None:
+    # ------------------------------------------------------------------ tokens
+    def append_output(self, token_id: int, now: float | None = None) -> None:
+        """A sampled token whose id is known joins the output (`now`: when it came)."""
         self.output_token_ids.append(token_id)
         self.kv.token_ids.append(token_id)
+        if self.first_token_time is None:
+            self.first_token_time = now
+
+    def add_pending(self) -> None:
+        """A token was sampled on the device and its id is not on the host yet: a placeholder
+        takes its place, counted in num_tokens and, for the sampler, as generated."""
+        self.kv.token_ids.append(PENDING_TOKEN)
+        self.sampling_inputs.num_pending_tokens += 1
+
+    def resolve_pending(self, token_id: int, now: float | None = None) -> None:
+        """The id of the oldest placeholder arrived: it replaces the placeholder and joins the output."""
+        index = self.num_prompt_tokens + len(self.output_token_ids)
+        token_ids = self.kv.token_ids
+        if index >= len(token_ids) or token_ids[index] != PENDING_TOKEN:
+            raise RuntimeError(f"request {self.request_id!r}: no pending token at position {index}")
+        token_ids[index] = token_id
+        self.output_token_ids.append(token_id)
+        self.sampling_inputs.num_pending_tokens -= 1
+        if self.first_token_time is None:
+            self.first_token_time = now
+
+    def add_logprobs(self, records: list[TokenLogprob]) -> None:
+        """Keep the logprobs of new output tokens (for the final delta)."""
+        self.output_logprobs.extend(records)
+
+    def set_error(self, kind: ErrorKind, message: str) -> None:
+        """Why this request cannot run; it ends with FinishReason.ERROR."""
+        self.error_kind = kind
+        self.error = message
 
     def __repr__(self) -> str:  # pragma: no cover - debugging aid
         return (

@@ -49,8 +49,9 @@ class SamplingInputs:
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]  # generated so far; its length is the step index for seeding
     eos_token_ids: Sequence[int]
-    # Tokens sampled in earlier steps that are not in output_token_ids yet (async scheduling puts
-    # a step's tokens into the request while the next step runs): they count as generated.
+    # Tokens sampled in earlier steps that are not in output_token_ids yet (overlapped steps put a
+    # step's tokens into the request while the next one runs; Request.add_pending and
+    # resolve_pending keep this count): they count as generated.
     num_pending_tokens: int = 0
     # The prompt as a tensor, built on first use by the repetition penalty (the prompt never changes).
     _prompt_ids: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)

@@ -18,21 +18,24 @@ next uncached block is being computed right now by a running request is held bac
 block is in the cache, so a group sharing a prompt prefix computes it once. Every pass
 that leaves a request in the window waiting ages it; after `max_defer_steps` passes it is neither
 held back nor overtaken by cache-hit order (nothing starves).
+
+A request ends only through `finish` (or `finish_many`, the same for many requests in one pass over
+the running list): it is taken out of waiting or running, its KV blocks are released, and the next
+SchedulerOutput names it in `finished`, so that the model runner frees its own per-request state.
 """
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from worker.engine.block_manager import BlockManager
 from worker.engine.request import Request, RequestStatus
 from worker.engine.types import FinishReason
 
-# Host-side stand-in for a token that was sampled but is still on its way from the device (async
-# scheduling): it counts towards num_tokens, its id is filled in when the step's ids arrive.
-PENDING_TOKEN = -1
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -51,10 +54,19 @@ class SchedulerConfig:
 
 @dataclass
 class SchedulerOutput:
-    requests: list[Request] = field(default_factory=list)  # in batch order
-    num_new_tokens: list[int] = field(default_factory=list)  # tokens each computes this step
+    """What one schedule() decided; every part of the step reads what concerns it."""
+
+    # The requests that compute tokens this step, in batch order.
+    requests: list[Request] = field(default_factory=list)
+    # How many tokens each of them computes (aligned with requests).
+    num_new_tokens: list[int] = field(default_factory=list)
+    # Sent back to waiting to free KV blocks (recompute later): the model runner frees their rows.
     preempted: list[Request] = field(default_factory=list)
-    expired: list[Request] = field(default_factory=list)  # deadline passed before they started
+    # Finished by this schedule(): their deadline passed before they started (also in finished).
+    expired: list[Request] = field(default_factory=list)
+    # Every request that ended since the previous schedule() (finish, finish_many, expiry): the
+    # model runner frees their rows.
+    finished: list[Request] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -77,8 +89,8 @@ class Scheduler:
         self.clock = clock
         self.waiting: list[Request] = []
         self.running: list[Request] = []
-        self.num_preemptions = 0
         self._num_waiting_with_deadline = 0
+        self._finished: list[Request] = []  # ended since the last schedule(): the next output names them
 
     # ------------------------------------------------------------------ membership
     def add(self, request: Request) -> None:
@@ -92,23 +104,27 @@ class Scheduler:
         if request.deadline_ms is not None:
             self._num_waiting_with_deadline -= 1
 
-    def remove(self, request: Request) -> None:
-        """Take a request out (finish or abort) and release its KV blocks."""
-        if request.status is RequestStatus.WAITING and request in self.waiting:
-            self._take_from_waiting(request)
-        elif request.status is RequestStatus.RUNNING and request in self.running:
-            self.running.remove(request)
-        self.bm.release(request.kv)
-        request.status = RequestStatus.FINISHED
+    def finish(self, request: Request, reason: FinishReason) -> None:
+        """End one request (see finish_many)."""
+        self.finish_many(((request, reason),))
 
-    def remove_finished(self, finished: list[Request]) -> None:
-        """Release many finished running requests with one pass over the running list."""
-        if not finished:
-            return
-        for r in finished:
-            self.bm.release(r.kv)
-            r.status = RequestStatus.FINISHED
-        self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
+    def finish_many(self, ended: Sequence[tuple[Request, FinishReason]]) -> None:
+        """The one way a request ends: status FINISHED and its reason set, taken out of waiting or
+        running (running ones in one pass over the running list), its KV blocks released, and named
+        in the next SchedulerOutput's `finished`. A request the scheduler never held (refused at
+        add) only takes the status and reason."""
+        left_running = False
+        for req, reason in ended:
+            if req.status is RequestStatus.RUNNING:
+                left_running = True
+            elif req.status is RequestStatus.WAITING and req in self.waiting:
+                self._take_from_waiting(req)
+            self.bm.release(req.kv)
+            req.status = RequestStatus.FINISHED
+            req.finish_reason = reason
+            self._finished.append(req)
+        if left_running:
+            self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
 
     @property
     def num_waiting(self) -> int:
@@ -157,9 +173,7 @@ class Scheduler:
             now_ms = self.clock() * 1000.0
             for req in list(self.waiting):
                 if req.deadline_ms is not None and not req.ever_scheduled and now_ms > req.deadline_ms:
-                    self._take_from_waiting(req)
-                    req.status = RequestStatus.FINISHED
-                    req.finish_reason = FinishReason.EXPIRED
+                    self.finish(req, FinishReason.EXPIRED)
                     out.expired.append(req)
 
         # 3. Admit waiting requests (not in a step that had to preempt: memory is short).
@@ -167,13 +181,14 @@ class Scheduler:
             budget = self._admit(out, budget)
 
         if out.preempted:
-            self.num_preemptions += len(out.preempted)
+            log.debug("preempted %d request(s)", len(out.preempted))
+        if self._finished:
+            out.finished, self._finished = self._finished, []
         return out
 
     def _preempt(self, req: Request) -> None:
         self.bm.release(req.kv)
         req.num_computed_tokens = 0
-        req.num_preemptions += 1
         req.status = RequestStatus.WAITING
         self.waiting.append(req)  # its early arrival sorts it to the front of waiting
         if req.deadline_ms is not None:
@@ -187,7 +202,7 @@ class Scheduler:
         self.waiting.sort(key=_sort_key)
         # A request preempted while its last token was in flight waits until the id is known: its
         # prompt + output cannot be hashed or recomputed before that.
-        window = [r for r in self.waiting[: cfg.admission_window] if r.kv.token_ids[-1] != PENDING_TOKEN]
+        window = [r for r in self.waiting[: cfg.admission_window] if not r.has_pending_token]
 
         # Longest cached prefix first within a priority class; long-deferred requests go first.
         hits: dict[int, list[int]] = {}

@@ -1,0 +1,74 @@
+"""What the engine hands back per request and step: RequestDelta, its Timing and logprob records.
+
+A delta is built from the request's own state: a token delta carries the new token, the text it
+released and the usage so far; the final delta also carries the whole output (tokens, text and,
+when asked, every token's logprobs), the timing, and the error of a request that could not run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from worker.engine.request import Request
+from worker.engine.sampler import SampledToken
+from worker.engine.types import FinishReason, RequestDelta, Timing, TokenLogprob, Usage
+
+
+def token_delta(req: Request, token_id: int, text: str, logprobs: list[TokenLogprob] | None) -> RequestDelta:
+    """One new token of a request that goes on."""
+    return RequestDelta(
+        request_id=req.request_id, new_token_ids=[token_id], text_delta=text, logprobs=logprobs,
+        usage=Usage(req.num_prompt_tokens, len(req.output_token_ids), req.num_cached_prompt_tokens),
+    )
+
+
+def final_delta(
+    req: Request,
+    reason: FinishReason,
+    now: float,
+    new_ids: list[int] | None = None,
+    text: str = "",
+    logprobs: list[TokenLogprob] | None = None,
+) -> RequestDelta:
+    """The last delta of a request that ends now with `reason` (new_ids: its last token, if any)."""
+    error = reason is FinishReason.ERROR
+    return RequestDelta(
+        request_id=req.request_id,
+        new_token_ids=new_ids if new_ids is not None else [],
+        text_delta=text,
+        finished=True,
+        finish_reason=reason,
+        logprobs=logprobs,
+        usage=Usage(req.num_prompt_tokens, len(req.output_token_ids), req.num_cached_prompt_tokens),
+        timing=timing(req, now),
+        error_kind=req.error_kind if error else None,
+        error=req.error if error else None,
+        output_token_ids=list(req.output_token_ids),
+        output_text=req.detokenizer.text if req.detokenizer is not None else "",
+        output_logprobs=list(req.output_logprobs) if req.output_logprobs is not None else None,
+    )
+
+
+def timing(req: Request, now: float) -> Timing:
+    """Where a request that ends at `now` spent its time (milliseconds, never negative)."""
+    arrival = req.arrival_time
+    first_sched = req.first_scheduled_time if req.first_scheduled_time is not None else now
+    first_tok = req.first_token_time
+    return Timing(
+        queue_ms=max(0.0, (first_sched - arrival) * 1000.0),
+        ttft_ms=max(0.0, (first_tok - arrival) * 1000.0) if first_tok is not None else 0.0,
+        decode_ms=max(0.0, (now - first_tok) * 1000.0) if first_tok is not None else 0.0,
+        total_ms=max(0.0, (now - arrival) * 1000.0),
+    )
+
+
+def token_logprobs(token_id: int, sampled: SampledToken, decode: Callable[[int], str]) -> list[TokenLogprob]:
+    """The logprob record of one sampled token, with its top alternatives (decode: id -> text)."""
+    return [
+        TokenLogprob(
+            token_id=token_id,
+            token=decode(token_id),
+            logprob=float(sampled.logprob) if sampled.logprob is not None else 0.0,
+            top_logprobs=[(int(i), decode(int(i)), float(lp)) for i, lp in sampled.top_logprobs],
+        )
+    ]

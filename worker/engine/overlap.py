@@ -1,0 +1,156 @@
+"""Launched steps and the overlapped mode (async scheduling).
+
+A launched step is a forward + sampling whose tokens the engine has not taken in yet. Synchronous,
+its tokens come to the host at once (the step's one synchronisation). Overlapped, step N+1 is
+launched before step N's tokens are on the host:
+
+- N's sampled ids stay on the device as the PendingTokens of N+1's inputs; a non-blocking copy to
+  the host is started, and every request that sampled gets a placeholder (Request.add_pending), so
+  the scheduler counts the token (its id unknown) and N+1 computes it;
+- once N+1 is launched, N's ids are taken in (the only wait on the GPU) and each replaces its
+  placeholder (Request.resolve_pending) while N+1 runs;
+- a request that finishes at N has one token computed in N+1 for nothing: it is discarded, never
+  emitted nor counted.
+
+Requests whose sampling reads their token history on the host every step (penalties, logprobs)
+keep the engine synchronous while they are in it: the step left in flight is drained first.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from worker.engine.model_runner import PendingTokens
+from worker.engine.request import Request
+from worker.engine.sampler import SampledToken, Sampler, has_penalties
+from worker.engine.types import SamplingParams
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose forward and sampling were launched; its tokens may still be on the device."""
+
+    requests: list[Request]  # the rows that sample, in row order
+    sampled: list[SampledToken] | None = None  # the tokens, when already on the host (synchronous step)
+    pending: PendingTokens | None = None  # overlapped: the ids on the device (the next step's inputs)
+    host_ids: torch.Tensor | None = None  # overlapped: where the ids arrive (pinned on CUDA)
+    ready: torch.cuda.Event | None = None  # recorded after the copy into host_ids (CUDA)
+    forward_start: torch.cuda.Event | None = None  # CUDA timing of forward + sampling
+    sampled_end: torch.cuda.Event | None = None
+    host_model_s: float = 0.0  # forward + sampling wall time (what the CPU spent running them)
+
+    @property
+    def overlapped(self) -> bool:
+        """Its requests hold placeholders for its tokens."""
+        return self.pending is not None
+
+    def mark_sampled(self) -> None:
+        """Sampling is launched: close the CUDA timing (nothing to do on the CPU)."""
+        if self.forward_start is not None:
+            self.sampled_end = torch.cuda.Event(enable_timing=True)
+            self.sampled_end.record()
+
+    def model_seconds(self) -> float:
+        """Forward + sampling time; on CUDA GPU time from events (complete once the ids are in)."""
+        if self.forward_start is not None and self.sampled_end is not None:
+            return self.forward_start.elapsed_time(self.sampled_end) / 1000.0
+        return self.host_model_s
+
+    def host_tokens(self) -> list[SampledToken]:
+        """The tokens on the host, row by row; an overlapped step's wait for its ids (the only
+        wait on the GPU)."""
+        if self.sampled is not None:
+            return self.sampled
+        if self.ready is not None:
+            self.ready.synchronize()
+        return [SampledToken(t) for t in self.host_ids.tolist()]
+
+
+def launch_sampling(
+    sampler: Sampler, logits: torch.Tensor, requests: list[Request], *, forward_start: torch.cuda.Event | None,
+    forward_s: float, overlapped: bool,
+) -> LaunchedStep:
+    """Sample a launched forward's logits. Synchronous: the tokens come back to the host.
+    Overlapped: the ids stay on the device, their copy to the host is started, and each request
+    gets a placeholder."""
+    launched = LaunchedStep(requests=requests, forward_start=forward_start)
+    t0 = time.perf_counter()
+    with torch.inference_mode():  # logits are inference tensors; the sampler edits them
+        if overlapped:
+            _sample_on_device(sampler, logits, launched)
+        else:
+            _sample_to_host(sampler, logits, launched)
+    launched.host_model_s = forward_s + time.perf_counter() - t0
+    return launched
+
+
+def _sample_to_host(sampler: Sampler, logits: torch.Tensor, launched: LaunchedStep) -> None:
+    inputs = [r.sampling_inputs for r in launched.requests]
+    if any(inp.params.logprobs is not None for inp in inputs):
+        launched.sampled = sampler(logits, inputs)
+        launched.mark_sampled()
+        return
+    ids = sampler.sample_ids(logits, inputs)
+    launched.mark_sampled()
+    launched.sampled = [SampledToken(t) for t in ids.tolist()]  # waits for the GPU
+
+
+def _sample_on_device(sampler: Sampler, logits: torch.Tensor, launched: LaunchedStep) -> None:
+    reqs = launched.requests
+    ids = sampler.sample_ids(logits, [r.sampling_inputs for r in reqs])
+    launched.mark_sampled()
+    launched.pending = PendingTokens(ids, reqs)
+    if ids.device.type == "cuda":
+        launched.host_ids = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+        launched.host_ids.copy_(ids, non_blocking=True)
+        launched.ready = torch.cuda.Event()
+        launched.ready.record()
+    else:
+        launched.host_ids = ids
+    for r in reqs:
+        r.add_pending()
+
+
+def needs_host_history(params: SamplingParams) -> bool:
+    """Sampling that reads the request's token history or per-token host results every step."""
+    return params.logprobs is not None or has_penalties(params)
+
+
+class Overlap:
+    """The overlapped mode's state: the step in flight, and the requests that keep steps synchronous."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled  # async scheduling asked for (or chosen by "auto")
+        self.in_flight: LaunchedStep | None = None  # the step whose ids are on the way
+        self.needs_host_history: set[str] = set()  # ids of requests for which steps run synchronously
+
+    @property
+    def active(self) -> bool:
+        """This step overlaps with the next."""
+        return self.enabled and not self.needs_host_history
+
+    @property
+    def pending(self) -> PendingTokens | None:
+        """The in-flight step's ids, for the inputs of the step launched now."""
+        return self.in_flight.pending if self.in_flight is not None else None
+
+    def track(self, request: Request) -> None:
+        """A request entered the engine."""
+        if needs_host_history(request.sampling):
+            self.needs_host_history.add(request.request_id)
+
+    def forget(self, request: Request) -> None:
+        """A request left the engine."""
+        self.needs_host_history.discard(request.request_id)
+
+    def swap(self, launched: LaunchedStep | None) -> LaunchedStep | None:
+        """`launched` goes in flight; the step that was in flight comes out, to be taken in."""
+        previous, self.in_flight = self.in_flight, launched
+        return previous
+
+    def drain(self) -> LaunchedStep | None:
+        """The step in flight, to be taken in before a synchronous step."""
+        return self.swap(None)
