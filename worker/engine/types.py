@@ -143,14 +143,16 @@ class RequestDelta:
 
 @dataclass
 class EngineStats:
-    running: int = 0
-    waiting: int = 0
-    kv_blocks_total: int = 0
-    kv_blocks_used: int = 0
-    prompt_tokens_total: int = 0
-    cached_prompt_tokens_total: int = 0
-    generated_tokens_total: int = 0
-    steps: int = 0
+    """A snapshot for callers (backpressure, metrics); totals count since the engine started."""
+
+    running: int = 0  # requests in the running batch
+    waiting: int = 0  # requests queued, preempted ones included
+    kv_blocks_total: int = 0  # KV cache pool size
+    kv_blocks_used: int = 0  # blocks not on the free list (free cached blocks count as free)
+    prompt_tokens_total: int = 0  # prompt tokens of every request added
+    cached_prompt_tokens_total: int = 0  # of those, served from the prefix cache
+    generated_tokens_total: int = 0  # output tokens emitted
+    steps: int = 0  # steps that scheduled something
 
     @property
     def kv_usage(self) -> float:

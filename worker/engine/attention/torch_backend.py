@@ -108,14 +108,8 @@ class TorchAttentionBackend:
         value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
 
     # -- attention ----------------------------------------------------------------------------
-    def attend(
-        self,
-        query: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:
+    def attend(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+               meta: AttentionMetadata, scale: float) -> torch.Tensor:
         use_kernel = (
             self.use_cpu_kernel and query.device.type == "cpu" and query.dtype == torch.float32
             and key_cache.is_contiguous() and value_cache.is_contiguous()

@@ -21,24 +21,11 @@ class TritonAttentionBackend:
         # keeps launches identical across calls (needed while capturing a CUDA graph).
         self.num_splits = num_splits
 
-    def write_kv(
-        self,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-    ) -> None:
-        kv_write(key, value, key_cache, value_cache, slot_mapping)
+    # The kernel's own signature: (key, value, key_cache, value_cache, slot_mapping).
+    write_kv = staticmethod(kv_write)
 
-    def attend(
-        self,
-        query: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:
+    def attend(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+               meta: AttentionMetadata, scale: float) -> torch.Tensor:
         return paged_attention(
             query,
             key_cache,
