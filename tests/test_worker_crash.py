@@ -49,7 +49,10 @@ def _log_tail(path, n=3000) -> str:
 
 async def test_sigterm_finishes_in_flight_jobs_commits_and_exits_0(kafka_bootstrap, tiny_llama_dir, tmp_path):
     topics = await make_topics(kafka_bootstrap, "sigterm", partitions=1)
-    jobs = [job(i, max_tokens=24) for i in range(120)]
+    # Enough jobs that the signal surely lands mid-run: the tiny model answers ~200 jobs a second,
+    # faster than this test sees the first Result (with 120 jobs the worker had sometimes fetched
+    # them all before the signal arrived).
+    jobs = [job(i, max_tokens=24) for i in range(1000)]
     await produce(kafka_bootstrap, topics.jobs, jobs)
     log = tmp_path / "worker.log"
     proc = start_worker_process(

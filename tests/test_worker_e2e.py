@@ -197,12 +197,12 @@ async def test_guard_stops_the_worker_when_most_inputs_are_bad(kafka_bootstrap, 
     topics = await make_topics(kafka_bootstrap, "guard", partitions=1)
     await produce(kafka_bootstrap, topics.jobs, [b"not json"] * 40)
     settings = worker_settings(kafka_bootstrap, topics, tiny_llama_dir, bad_input_ratio=0.8, bad_input_window=20)
-    from worker.kafka.consumer import KafkaWorker
+    from worker.kafka.worker import KafkaWorker
 
     w = KafkaWorker(settings, engine=engine)
     code = await asyncio.wait_for(w.run(install_signal_handlers=False), 60)
     assert code == 3
-    assert "20 of the last 20 inputs were invalid (invalid_job: 20)" in w._fatal
+    assert "20 of the last 20 inputs were invalid (invalid_job: 20)" in w.fatal_error
     # What was dead-lettered before the stop is committed; the rest waits in Kafka.
     committed = (await committed_offsets(kafka_bootstrap, topics.group, topics.jobs, 1))[0]
     dlq = await read_topic(kafka_bootstrap, topics.dlq, lambda r: False, timeout=1.5)
@@ -255,7 +255,7 @@ async def test_backpressure_and_span_cap_pause_fetching_without_losing_jobs(kafk
         async def sample():
             while True:
                 seen["gate_paused"] |= w.gate.paused
-                seen["span_paused"] |= bool(w._span_paused)
+                seen["span_paused"] |= bool(w.fetcher.span_paused)
                 for tp in w.tracker.partitions():
                     seen["max_span"] = max(seen["max_span"], w.tracker.get(tp).span())
                 await asyncio.sleep(0)

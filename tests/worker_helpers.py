@@ -168,7 +168,7 @@ def worker_settings(bootstrap: str, topics: Topics, model_dir: str, **over):
 @contextlib.asynccontextmanager
 async def running_worker(settings, engine):
     """An in-process KafkaWorker on a shared engine; stopped (drained) on exit."""
-    from worker.kafka.consumer import KafkaWorker
+    from worker.kafka.worker import KafkaWorker
     from worker.logging import configure_logging
 
     configure_logging("WARNING")

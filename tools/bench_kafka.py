@@ -46,7 +46,7 @@ async def _through_kafka(bootstrap: str, model_dir: Path, work, engine_options: 
     from worker.config import WorkerSettings
     from worker.engine import Engine, EngineConfig
     from worker.kafka.admin import create_topic
-    from worker.kafka.consumer import KafkaWorker
+    from worker.kafka.worker import KafkaWorker
 
     tag = os.urandom(4).hex()
     topics = {name: f"bench-{name}-{tag}" for name in ("jobs", "results", "tokens", "dlq")}
@@ -84,7 +84,7 @@ async def _through_kafka(bootstrap: str, model_dir: Path, work, engine_options: 
             await task
             raise RuntimeError(f"the Kafka run answered {worker.answered} of {n} jobs within an hour")
         if task.done():
-            raise RuntimeError(f"the worker stopped early: {worker._fatal or task.result()}")
+            raise RuntimeError(f"the worker stopped early: {worker.fatal_error or task.result()}")
         await asyncio.sleep(0.25)  # the worker time-stamps its first fetch and last answer itself
     (t_first, c_first), (t_last, c_last) = worker.first_fetch_at, worker.last_answer_at
     worker.request_stop("bench done")
@@ -111,7 +111,7 @@ async def _through_kafka(bootstrap: str, model_dir: Path, work, engine_options: 
     if bad:
         raise RuntimeError(f"{len(bad)} jobs without a complete ok Result, e.g. {bad[:3]}")
     wall, cpu = t_last - t_first, c_last - c_first
-    thread = worker._engine_thread
+    thread = worker.engine_thread
     steps, step_s = thread.steps, thread.step_seconds
     del engine, worker
     gc.collect()

@@ -10,6 +10,7 @@ import logging
 import sys
 
 import structlog
+from structlog.typing import FilteringBoundLogger
 
 _configured = False
 
@@ -35,10 +36,10 @@ def configure_logging(level: str = "INFO") -> None:
     _configured = True
 
 
-def get_logger(name: str = "tokenmill"):
+def get_logger(name: str = "tokenmill") -> FilteringBoundLogger:
     return structlog.get_logger(name)
 
 
-def job_log(log, job_id: str | None, partition: int, offset: int):
+def job_log(log: FilteringBoundLogger, job_id: str | None, partition: int, offset: int) -> FilteringBoundLogger:
     """A logger bound to one input record."""
     return log.bind(job_id=job_id, partition=partition, offset=offset)

@@ -20,6 +20,8 @@ from prometheus_client import (
     generate_latest,
 )
 
+from worker.engine.types import EngineStats, Timing
+
 _LATENCY_BUCKETS_MS = (5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000, 60000, 120000)
 _TPOT_BUCKETS_MS = (1, 2, 5, 10, 20, 35, 50, 75, 100, 150, 250, 500, 1000, 2500)
 
@@ -58,6 +60,28 @@ class WorkerMetrics:
         )
         self.paused = Gauge("tokenmill_fetch_paused", "1 while fetching is paused by backpressure", registry=r)
         self._tok_window: list[tuple[float, int]] = []
+
+    def count_answer(self, outcome: str, code: str | None) -> None:
+        """Count one answered input: ok, expired, or an error that was dead-lettered as well."""
+        if outcome == "ok":
+            self.jobs_ok.inc()
+        elif outcome == "expired":
+            self.jobs_expired.inc()
+        else:  # dead_letter (bad input) or error (the engine's): both are dead-lettered errors
+            self.jobs_dead_lettered.labels(code or "internal").inc()
+            self.jobs_error.labels(code or "internal").inc()
+
+    def observe_engine(self, stats: EngineStats) -> None:
+        self.running.set(stats.running)
+        self.waiting.set(stats.waiting)
+        self.kv_usage.set(stats.kv_usage)
+        self.prefix_hit_rate.set(stats.prefix_hit_rate)
+
+    def observe_latency(self, timing: Timing, output_tokens: int) -> None:
+        """Time to first token, and time per output token after the first, of one ok job."""
+        self.ttft.observe(timing.ttft_ms)
+        if output_tokens > 1:
+            self.tpot.observe(timing.decode_ms / (output_tokens - 1))
 
     def observe_tokens(self, n: int, now: float | None = None) -> None:
         """Count generated tokens and keep a 10-second rate."""

@@ -1,26 +1,48 @@
-"""Turning jobs and engine outcomes into the records the worker publishes.
+"""Answer building: an input record, or a job and its final delta, to the records that answer it.
 
-The job <-> engine mapping is shared with run-batch and backfill (worker/job_mapping.py); this
-module adds what only the Kafka side needs: TokenEvents, dead letters and record envelopes.
+Pure functions: nothing here sends, counts or logs. The job <-> engine mapping and the Result
+itself are shared with run-batch and backfill (worker/job_mapping.py); this module adds what only
+the Kafka side needs: TokenEvents, dead letters, record envelopes, and which records answer which
+input:
+
+- bad input (not decodable, wrong model, sampling values the engine refuses): a dead letter with
+  the input's key and value bytes unchanged, plus an error Result when a job_id could be read;
+- a deadline passed before the job started: an `expired` Result;
+- a finished job: its Result; an engine error (prompt too long, token ids outside the vocabulary,
+  a failure) is dead-lettered as well, before the error Result. An engine outcome the contract
+  cannot express becomes an `internal` error Result, never a dropped answer.
+
 Every record goes through the contract models of `schemas/`, so a worker bug shows up as an
 exception here, not as a malformed record downstream.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
+from structlog.typing import FilteringBoundLogger
+
 from schemas import Result, Source, TokenEvent
-from schemas.constants import STATUS_EXPIRED, dead_letter_headers
+from schemas.constants import ERROR_INTERNAL, STATUS_EXPIRED, dead_letter_headers
+from schemas.job import Job
 from worker.engine.types import RequestDelta
 from worker.job_mapping import build_result, error_result, job_to_engine_request, new_attempt_id
 from worker.kafka.publisher import OutRecord
+from worker.kafka.types import Answer, Fetched, InFlightJob
 
 __all__ = [
+    "AnswerContext",
     "build_result",
     "dead_letter",
+    "dlq_partition",
     "error_result",
+    "expired",
     "expired_result",
+    "finished",
     "job_to_engine_request",
     "new_attempt_id",
+    "rejected",
     "result_record",
     "source_of",
     "token_event",
@@ -29,6 +51,17 @@ __all__ = [
 # Header values and error messages stay readable, not megabytes (a huge invalid record's
 # validation message could otherwise be as big as the record).
 MAX_ERROR_MESSAGE = 2000
+
+
+@dataclass
+class AnswerContext:
+    """Who answers, and where the answers go."""
+
+    model: str  # the served model name, written in every Result
+    worker: str
+    results_topic: str
+    dlq_topic: str
+    dlq_partitions: int = 0  # partitions of the dead-letter topic; 0 while unknown
 
 
 def clip(message: str) -> str:
@@ -40,7 +73,17 @@ def source_of(topic: str, partition: int, offset: int) -> Source:
     return Source(topic=topic, partition=partition, offset=offset)
 
 
-def expired_result(job, *, model: str, worker: str, attempt: str, source: Source) -> Result:
+def _source(fetched: Fetched) -> Source:
+    return source_of(fetched.tp.topic, fetched.tp.partition, fetched.offset)
+
+
+def dlq_partition(partition: int, dlq_partitions: int) -> int | None:
+    """A dead letter keeps its input's partition number when the dead-letter topic has it;
+    otherwise (or while the partition count is unknown) the producer's partitioner chooses."""
+    return partition if dlq_partitions and partition < dlq_partitions else None
+
+
+def expired_result(job: Job, *, model: str, worker: str, attempt: str, source: Source) -> Result:
     """For a job whose deadline had passed when it was fetched (it never reaches the engine)."""
     return Result(
         job_id=job.job_id, status=STATUS_EXPIRED, model=model, worker=worker, attempt=attempt,
@@ -64,3 +107,48 @@ def dead_letter(key: bytes | None, value: bytes | None, code: str, message: str,
 
 def result_record(result: Result, results_topic: str) -> OutRecord:
     return OutRecord(results_topic, result.job_id.encode(), result.to_json_bytes())
+
+
+def _dead_letter_of(fetched: Fetched, code: str, message: str, ctx: AnswerContext) -> OutRecord:
+    tp = fetched.tp
+    return dead_letter(
+        fetched.key, fetched.value, code, message, dlq_topic=ctx.dlq_topic, source_topic=tp.topic,
+        partition=tp.partition, offset=fetched.offset, dlq_partition=dlq_partition(tp.partition, ctx.dlq_partitions),
+    )
+
+
+def rejected(fetched: Fetched, code: str, message: str, *, job_id: str | None, attempt: str,
+             metadata: dict[str, Any] | None, ctx: AnswerContext, log: FilteringBoundLogger) -> Answer:
+    """Input that cannot run: its dead letter, and an error Result when a job_id could be read."""
+    records = [_dead_letter_of(fetched, code, message, ctx)]
+    if job_id is not None:
+        result = error_result(
+            job_id, code, clip(message), model=ctx.model, worker=ctx.worker, attempt=attempt,
+            source=_source(fetched), metadata=metadata,
+        )
+        records.append(result_record(result, ctx.results_topic))
+    return Answer(fetched, records, "dead_letter", code, log)
+
+
+def expired(fetched: Fetched, job: Job, *, attempt: str, ctx: AnswerContext, log: FilteringBoundLogger) -> Answer:
+    result = expired_result(job, model=ctx.model, worker=ctx.worker, attempt=attempt, source=_source(fetched))
+    return Answer(fetched, [result_record(result, ctx.results_topic)], "expired", None, log)
+
+
+def finished(job: InFlightJob, delta: RequestDelta, ctx: AnswerContext) -> Answer:
+    """The answer of a job from its final delta: its Result, after a dead letter on an engine error."""
+    source = _source(job.fetched)
+    try:
+        result = build_result(job.job, delta, model=ctx.model, worker=ctx.worker, attempt=job.attempt, source=source)
+    except ValueError as exc:  # an engine outcome the contract cannot express: say so, do not drop
+        result = error_result(
+            job.job.job_id, ERROR_INTERNAL, clip(str(exc)), model=ctx.model, worker=ctx.worker,
+            attempt=job.attempt, source=source, metadata=job.job.metadata,
+        )
+    records = [result_record(result, ctx.results_topic)]
+    if result.error is None:  # "error Results carry an error" is checked by the Result itself
+        return Answer(job.fetched, records, result.status, None, job.log)
+    # A job that cannot run here (prompt too long) is dead-lettered like other bad input.
+    code = result.error.code
+    records.insert(0, _dead_letter_of(job.fetched, code, result.error.message, ctx))
+    return Answer(job.fetched, records, "error", code, job.log)

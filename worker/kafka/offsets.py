@@ -10,6 +10,10 @@ only reasons about offsets it has actually seen.
 Every assignment of a partition gets a new epoch. Work carries the epoch it was fetched under; a
 completion from an older epoch (the partition was revoked, maybe re-assigned since) is ignored,
 because that offset now belongs to a new round of fetching.
+
+A partition in a rebalance's revoke grace is still owned (its in-flight jobs may finish and their
+offsets complete) but marked `revoking`: nothing new is taken from it and the periodic commit
+leaves it to the rebalance, which commits it once more before letting it go.
 """
 
 from __future__ import annotations
@@ -17,6 +21,9 @@ from __future__ import annotations
 import heapq
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+K = TypeVar("K", bound=Hashable)  # a partition id (a TopicPartition in the worker)
 
 
 @dataclass
@@ -31,6 +38,7 @@ class PartitionOffsets:
     _base: int | None = None  # first offset tracked in this epoch
     _start: int | None = None  # where this epoch's fetching begins (committed offset), if known
     last_committed: int | None = None
+    revoking: bool = False  # in a rebalance's grace: answers still complete, nothing new is taken
 
     def expect_from(self, offset: int | None) -> None:
         """The epoch's start position (the committed offset), if known: lower offsets are refused."""
@@ -98,17 +106,17 @@ class PartitionOffsets:
         self.last_committed = offset
 
 
-class OffsetTracker:
+class OffsetTracker(Generic[K]):
     """Watermarks of every partition this member owns, keyed by any hashable partition id."""
 
     def __init__(self, max_span: int) -> None:
         if max_span < 1:
             raise ValueError("max_span (in-flight offsets per partition) must be >= 1")
         self.max_span = max_span
-        self._parts: dict[Hashable, PartitionOffsets] = {}
+        self._parts: dict[K, PartitionOffsets] = {}
         self._epoch = 0
 
-    def assign(self, partitions: Iterable[Hashable]) -> dict[Hashable, int]:
+    def assign(self, partitions: Iterable[K]) -> dict[K, int]:
         """Start a new epoch for each partition; returns partition -> epoch."""
         epochs = {}
         for tp in partitions:
@@ -117,36 +125,51 @@ class OffsetTracker:
             epochs[tp] = self._epoch
         return epochs
 
-    def revoke(self, partitions: Iterable[Hashable]) -> None:
+    def revoke(self, partitions: Iterable[K]) -> None:
         for tp in partitions:
             self._parts.pop(tp, None)
 
-    def get(self, tp: Hashable, epoch: int | None = None) -> PartitionOffsets | None:
+    def get(self, tp: K, epoch: int | None = None) -> PartitionOffsets | None:
         """The partition's state, or None if not owned (or owned under a different epoch)."""
         part = self._parts.get(tp)
         if part is None or (epoch is not None and part.epoch != epoch):
             return None
         return part
 
-    def epoch(self, tp: Hashable) -> int | None:
+    def expect_from(self, tp: K, offset: int | None) -> None:
+        """The start position of the partition's current epoch (see PartitionOffsets.expect_from)."""
+        part = self._parts.get(tp)
+        if part is None:
+            raise KeyError(f"partition {tp} is not owned")
+        part.expect_from(offset)
+
+    def owns(self, tp: K, epoch: int) -> bool:
+        """Whether work fetched under epoch still counts (the partition was not revoked since)."""
+        return self.get(tp, epoch) is not None
+
+    def epoch(self, tp: K) -> int | None:
         part = self._parts.get(tp)
         return part.epoch if part else None
 
-    def track(self, tp: Hashable, epoch: int, offset: int) -> None:
+    def track(self, tp: K, epoch: int, offset: int) -> None:
         part = self.get(tp, epoch)
         if part is None:
             raise KeyError(f"partition {tp} is not owned under epoch {epoch}")
         part.track(offset)
 
-    def complete(self, tp: Hashable, epoch: int, offset: int) -> bool:
+    def complete(self, tp: K, epoch: int, offset: int) -> bool:
         """Mark done; returns False (and changes nothing) for a stale epoch or unknown offset."""
         part = self.get(tp, epoch)
         return part.complete(offset) if part else False
 
-    def partitions(self) -> list[Hashable]:
+    def partitions(self) -> list[K]:
         return list(self._parts)
 
-    def commit_points(self, only_changed: bool = True) -> dict[Hashable, int]:
+    def last_committed(self) -> dict[K, int | None]:
+        """The offset last committed for each owned partition (None before the first commit)."""
+        return {tp: part.last_committed for tp, part in self._parts.items()}
+
+    def commit_points(self, only_changed: bool = True) -> dict[K, int]:
         out = {}
         for tp, part in self._parts.items():
             point = part.commit_point()
@@ -157,7 +180,7 @@ class OffsetTracker:
             out[tp] = point
         return out
 
-    def in_flight(self, tp: Hashable | None = None) -> int:
+    def in_flight(self, tp: K | None = None) -> int:
         if tp is not None:
             part = self._parts.get(tp)
             return part.in_flight if part else 0

@@ -27,6 +27,10 @@ class OutRecord:
     partition: int | None = None
 
 
+# The acknowledgement futures of one job's TokenEvents, with what is needed to send one again.
+TokenSink = list[tuple["asyncio.Future[object]", bytes, str]]  # (ack future, payload, job_id)
+
+
 class PublishAbandoned(Exception):
     """The record was not sent because the work it belongs to is void."""
 
@@ -70,7 +74,7 @@ class TokenStream:
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="token-stream")
 
-    def publish(self, job_id: str, payload: bytes, sink: list) -> None:
+    def publish(self, job_id: str, payload: bytes, sink: TokenSink) -> None:
         """Queue one event; its ack future is appended to `sink` once handed to the producer."""
         self._queue.put_nowait((job_id, payload, sink))
 
@@ -97,7 +101,7 @@ class TokenStream:
                         self._on_retry(exc, 1)
                     await asyncio.sleep(0.5)
 
-    async def confirm(self, sink: list, still_wanted: Callable[[], bool] = lambda: True) -> None:
+    async def confirm(self, sink: TokenSink, still_wanted: Callable[[], bool] = lambda: True) -> None:
         """Wait for every event in `sink` to be acknowledged, re-sending (in order) the failed ones."""
         await self.enqueued()
         for fut, payload, job_id in list(sink):

@@ -48,7 +48,7 @@ class TenantLimiter(Generic[T]):
         """Remove and return held items for which predicate(item) is true (e.g. revoked partition)."""
         dropped: list[T] = []
         for key, items in self._held.items():
-            keep = deque()
+            keep: deque[T] = deque()
             for item in items:
                 (dropped if predicate(item) else keep).append(item)
             self._held[key] = keep

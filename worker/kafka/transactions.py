@@ -20,7 +20,9 @@ import asyncio
 import hashlib
 from collections.abc import Callable
 
+from aiokafka import AIOKafkaProducer, TopicPartition
 from aiokafka.errors import KafkaError, ProducerFenced
+from structlog.typing import FilteringBoundLogger
 
 from worker.kafka.publisher import OutRecord
 
@@ -41,12 +43,13 @@ class PartitionFenced(Exception):
 class PartitionTransactions:
     """Buffers one partition's answers and commits them with the offset in one transaction."""
 
-    def __init__(self, tp, group_id: str, producer_factory: Callable[[str], object], log) -> None:
+    def __init__(self, tp: TopicPartition, group_id: str, producer_factory: Callable[[str], AIOKafkaProducer],
+                 log: FilteringBoundLogger) -> None:
         self.tp = tp
         self.group_id = group_id
         self.txn_id = transactional_id(group_id, tp.topic, tp.partition)
         self._factory = producer_factory
-        self._producer = None
+        self._producer: AIOKafkaProducer | None = None
         self._ready: dict[int, list[OutRecord]] = {}
         self.last_committed: int | None = None
         self.log = log.bind(partition=tp.partition, transactional_id=self.txn_id)
@@ -84,6 +87,7 @@ class PartitionTransactions:
         if self._producer is None:
             await self.start()
         producer = self._producer
+        assert producer is not None
         try:
             await producer.begin_transaction()
             futures = []

@@ -123,10 +123,10 @@ def run(args) -> int:
         print(f"tokenmill worker: {exc}", file=sys.stderr)
         return 2
 
-    from worker.kafka.consumer import KafkaWorker
+    from worker.kafka.worker import KafkaWorker
 
     worker = KafkaWorker(settings)
     code = asyncio.run(worker.run())
-    if code != 0 and worker._fatal:
-        print(f"tokenmill worker: {worker._fatal}", file=sys.stderr)
+    if code != 0 and worker.fatal_error:
+        print(f"tokenmill worker: {worker.fatal_error}", file=sys.stderr)
     return code

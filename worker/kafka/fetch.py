@@ -1,0 +1,126 @@
+"""Fetching: the poll task, offset tracking of every record taken, and pause/resume.
+
+The poll task calls `getmany` continuously: aiokafka enforces max.poll.interval.ms as the time
+between polls, and polling keeps the group membership alive during a drain, so it never blocks
+and never stops; fetching is throttled with `pause()`/`resume()` instead. For each record:
+
+1. Not ours (any more): the partition is not tracked, is in a revoke grace, or the worker stops.
+   It is skipped; the next owner reads it from the committed offset.
+2. Below this epoch's start, or already tracked (fetched for an older position): skipped, its
+   offset is covered by the committed offset or by this epoch's fetching.
+3. The partition's in-flight span (fetch position minus commit point) is full: the consumer
+   seeks back to this record and pauses the partition; it resumes once the span has halved.
+4. Otherwise the offset is tracked as outstanding under the partition's epoch and the record
+   goes to intake.
+
+Backpressure pauses every partition while the engine is loaded (waiting requests, held tenant
+jobs counted, or KV cache usage above the high-water mark) and resumes them below the low-water
+marks (backpressure.py's hysteresis).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.errors import KafkaError
+from aiokafka.structs import ConsumerRecord
+from structlog.typing import FilteringBoundLogger
+
+from worker.kafka.backpressure import BackpressureGate
+from worker.kafka.offsets import OffsetTracker
+from worker.kafka.types import Fetched
+from worker.metrics import HealthState, WorkerMetrics
+
+
+@dataclass(eq=False)
+class Fetcher:
+    consumer: AIOKafkaConsumer
+    tracker: OffsetTracker[TopicPartition]
+    gate: BackpressureGate
+    take: Callable[[Fetched], None]  # the next step: intake
+    stopping: Callable[[], bool]  # the worker drains: nothing new is taken
+    max_records: int  # per poll
+    metrics: WorkerMetrics
+    health: HealthState
+    log: FilteringBoundLogger
+    span_paused: set[TopicPartition] = field(default_factory=set, init=False)  # until their span halves
+    first_fetch_at: tuple[float, float] | None = field(default=None, init=False)  # (perf_counter, process_time)
+
+    async def run(self) -> None:
+        consumer = self.consumer
+        while True:
+            self.health.tick()
+            try:
+                batches = await consumer.getmany(timeout_ms=200, max_records=self.max_records)
+            except KafkaError as exc:  # e.g. the broker is away: aiokafka reconnects by itself
+                self.log.warning("fetch failed; retrying", error=repr(exc))
+                await asyncio.sleep(1.0)
+                continue
+            for tp, records in batches.items():
+                for rec in records:
+                    if not self._track(tp, rec):
+                        # Span cap reached: rewind to this record and pause the partition.
+                        consumer.seek(tp, rec.offset)
+                        consumer.pause(tp)
+                        self.span_paused.add(tp)
+                        break
+            self.update_pausing()
+
+    def _track(self, tp: TopicPartition, rec: ConsumerRecord) -> bool:
+        """Take one fetched record; False if the partition's in-flight span is full."""
+        part = self.tracker.get(tp)
+        if part is None or part.revoking or self.stopping():
+            return True
+        if not part.accepts(rec.offset):
+            self.log.warning("skipping a record fetched before the current position", partition=tp.partition,
+                             offset=rec.offset, expected_from=part.next_expected)
+            return True
+        if not part.has_room():
+            return False
+        part.track(rec.offset)
+        if self.first_fetch_at is None:
+            self.first_fetch_at = (time.perf_counter(), time.process_time())
+        self.metrics.jobs_in.inc()
+        self.take(Fetched(tp, part.epoch, rec.offset, rec.key, rec.value))
+        return True
+
+    def engine_load(self, waiting: int, kv_usage: float) -> bool:
+        """Feed the engine's load to the backpressure gate; True when the gate changed."""
+        was_paused = self.gate.paused
+        return self.gate.update(waiting, kv_usage) != was_paused
+
+    def update_pausing(self) -> None:
+        if self.stopping():
+            return
+        consumer = self.consumer
+        assigned = consumer.assignment()
+        for tp in list(self.span_paused):
+            part = self.tracker.get(tp)
+            if part is None or part.span() <= part.max_span // 2:
+                self.span_paused.discard(tp)
+        want_paused = set(assigned) if self.gate.paused else set(self.span_paused)
+        self.metrics.paused.set(1 if self.gate.paused else 0)
+        now_paused = consumer.paused()
+        to_pause = [tp for tp in assigned if tp in want_paused and tp not in now_paused]
+        to_resume = [tp for tp in assigned if tp not in want_paused and tp in now_paused]
+        if to_pause:
+            consumer.pause(*to_pause)
+        if to_resume:
+            consumer.resume(*to_resume)
+
+    def pause_all(self) -> None:
+        """Stop fetching for good (the drain): the poll task keeps polling, so the membership stays."""
+        assigned = self.consumer.assignment()
+        if assigned:
+            self.consumer.pause(*assigned)
+
+    def forget(self, partitions: set[TopicPartition]) -> None:
+        self.span_paused -= partitions
+
+    def describe(self) -> dict[str, object]:
+        return {"paused": sorted(tp.partition for tp in self.consumer.paused()), "gate_paused": self.gate.paused,
+                "span_paused": sorted(tp.partition for tp in self.span_paused)}

@@ -1,0 +1,90 @@
+"""Intake: one fetched record becomes a job for the engine, or is answered at once.
+
+In this order:
+
+1. Decode through the contract decoder (`schemas/`): not UTF-8, not JSON, a schema violation, a
+   tombstone (no value) -> `invalid_job`; a `model` other than the served name ->
+   `model_mismatch`. Such input is answered with a dead letter and, when a job_id can be read, an
+   error Result (answers.rejected).
+2. Every input is counted by the bad-input guard (good or bad); when most of the recent ones were
+   bad, `on_guard_tripped` stops the worker (exit 3) instead of emptying the topic into the
+   dead-letter topic.
+3. A `deadline_ms` already past: an `expired` Result, the job never reaches the engine.
+4. Otherwise the job, with a fresh attempt id, goes to inflight.py, where the tenant cap lets it
+   run now or holds it in fetch order.
+
+A job the engine refuses at submission (sampling values the schema allowed but the engine does
+not) comes back through `refuse` and is answered like other bad input.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from structlog.typing import FilteringBoundLogger
+
+from schemas.constants import ERROR_INVALID_JOB, ERROR_MODEL_MISMATCH
+from schemas.decode import decode_job
+from schemas.errors import JobDecodeError
+from schemas.job import Job
+from worker.job_mapping import new_attempt_id
+from worker.kafka import answers
+from worker.kafka.answers import AnswerContext
+from worker.kafka.guard import BadInputGuard, BadInputGuardTripped
+from worker.kafka.types import Answer, Fetched, InFlightJob
+from worker.logging import job_log
+
+
+@dataclass(eq=False)
+class Intake:
+    ctx: AnswerContext
+    guard: BadInputGuard
+    admit: Callable[[InFlightJob], None]  # the next step of a job that may run
+    answer: Callable[[Answer], None]  # the next step of an input answered at once
+    on_guard_tripped: Callable[[str], None]  # with the guard's message: the worker stops (exit 3)
+    log: FilteringBoundLogger
+
+    def take(self, fetched: Fetched) -> None:
+        attempt = new_attempt_id(self.ctx.worker)
+        try:
+            job = self._decode(fetched.value)
+        except JobDecodeError as err:
+            self.record(err.code)
+            log = job_log(self.log, err.job_id, fetched.tp.partition, fetched.offset)
+            log.warning("bad input; dead-lettering", code=err.code, reason=err.message)
+            self.answer(answers.rejected(fetched, err.code, err.message, job_id=err.job_id, attempt=attempt,
+                                         metadata=None, ctx=self.ctx, log=log))
+            return
+        self.record(None)
+        log = job_log(self.log, job.job_id, fetched.tp.partition, fetched.offset)
+        if job.deadline_ms is not None and job.deadline_ms <= time.time() * 1000:
+            log.info("deadline passed before start; expired")
+            self.answer(answers.expired(fetched, job, attempt=attempt, ctx=self.ctx, log=log))
+            return
+        self.admit(InFlightJob(fetched, job, attempt, log.bind(attempt=attempt)))
+
+    def refuse(self, job: InFlightJob, reason: str) -> None:
+        """A job the engine refused at submission: bad input after all."""
+        self.record(ERROR_INVALID_JOB)
+        self.answer(answers.rejected(job.fetched, ERROR_INVALID_JOB, reason, job_id=job.job.job_id,
+                                     attempt=job.attempt, metadata=job.job.metadata, ctx=self.ctx, log=job.log))
+
+    def record(self, code: str | None) -> None:
+        """Count one input for the bad-input guard (code None: it was good)."""
+        try:
+            self.guard.record(code)
+        except BadInputGuardTripped as exc:
+            self.on_guard_tripped(str(exc))
+
+    def _decode(self, value: bytes | None) -> Job:
+        if value is None:
+            raise JobDecodeError.invalid("the record has no value (a tombstone is not a job)")
+        job = decode_job(value)
+        if job.model is not None and job.model != self.ctx.model:
+            raise JobDecodeError(
+                ERROR_MODEL_MISMATCH, f"job asks for model {job.model!r}; this worker serves {self.ctx.model!r}",
+                job.job_id,
+            )
+        return job

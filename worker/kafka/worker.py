@@ -1,0 +1,316 @@
+"""The Kafka worker: consume jobs, run them in the engine thread, publish answers, commit watermarks.
+
+This file is the wiring: it starts the clients and the engine thread, connects the steps below
+(each is given the next one), runs the poll and commit tasks, handles SIGTERM/SIGINT and drains.
+
+Life of one input record, with the file of each step:
+
+1. fetch.py: the poll task (always polling, so aiokafka's max_poll_interval never trips) fetches
+   it; the offset tracker (offsets.py) records it as outstanding under its partition's
+   assignment epoch, unless the partition's in-flight span is full (then it is fetched again).
+2. intake.py: it is decoded. Bad input (not JSON, schema violation, wrong model) is answered at
+   once with a dead letter and, when a job_id can be read, an error Result; a deadline already
+   passed with an `expired` Result. The bad-input guard (guard.py) counts every input.
+3. inflight.py: the job waits while its tenant is at its cap (tenants.py), then goes to the
+   engine thread (worker/runtime/engine_thread.py), which hands back deltas once per step.
+4. engine_output.py: a streaming job gets one TokenEvent per step (publisher.py's ordered
+   stream). When the job finishes, its TokenEvents are confirmed first, then
+5. answers.py builds its answer (pure: the Result, with a dead letter for an engine error), and
+6. delivery.py delivers it. At-least-once: once the broker acknowledged every record, the offset
+   is complete. Exactly-once: the answer is staged into its partition's transaction
+   (transactions.py) and the offset is complete at once.
+7. commit_loop.py commits each partition's watermark (lowest outstanding offset) on an interval,
+   as the delivery mode does it: a group offset commit, or the transaction with the staged
+   answers. rebalance.py commits on revoke, the drain here at shutdown.
+
+rebalance.py: a revoked partition gets a short grace for its in-flight jobs, its watermark is
+committed, the rest is aborted and left for the new owner; anything of it that completes later
+carries a stale epoch and is dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from collections.abc import Coroutine
+from dataclasses import replace
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from structlog.typing import FilteringBoundLogger
+
+from worker.config import WorkerSettings
+from worker.engine.types import EngineStats, RequestDelta
+from worker.kafka import clients
+from worker.kafka.answers import AnswerContext
+from worker.kafka.backpressure import BackpressureGate
+from worker.kafka.commit_loop import CommitLoop
+from worker.kafka.delivery import AtLeastOnce, Delivery, ExactlyOnce, OffsetDone
+from worker.kafka.engine_output import EngineOutput
+from worker.kafka.fetch import Fetcher
+from worker.kafka.guard import BadInputGuard
+from worker.kafka.inflight import InFlight
+from worker.kafka.intake import Intake
+from worker.kafka.offsets import OffsetTracker
+from worker.kafka.publisher import PublishAbandoned, TokenStream
+from worker.kafka.rebalance import Rebalance
+from worker.kafka.retry import KafkaRetry
+from worker.kafka.tenants import TenantLimiter
+from worker.kafka.types import Answer, InFlightJob
+from worker.logging import get_logger
+from worker.metrics import HealthState, MetricsServer, WorkerMetrics
+from worker.runtime.engine_thread import EngineThread
+
+if TYPE_CHECKING:
+    from worker.engine import Engine
+
+EXIT_OK = 0
+EXIT_FATAL = 1
+EXIT_BAD_INPUT = 3
+
+
+class KafkaWorker:
+    # Made by _assemble() once the model is loaded and the producer started: the steps of a
+    # record's life, and the clients they share.
+    producer: AIOKafkaProducer
+    consumer: AIOKafkaConsumer
+    tokens: TokenStream
+    ctx: AnswerContext
+    delivery: Delivery
+    inflight: InFlight
+    intake: Intake
+    output: EngineOutput
+    fetcher: Fetcher
+    commits: CommitLoop
+    rebalance: Rebalance
+
+    def __init__(self, settings: WorkerSettings, engine: Engine | None = None,
+                 log: FilteringBoundLogger | None = None) -> None:
+        settings.validate()
+        self.s = settings
+        self.log: FilteringBoundLogger = (log or get_logger("tokenmill.worker")).bind(worker=settings.worker_name)
+        self.engine = engine
+        self.metrics = WorkerMetrics()
+        self.health = HealthState()
+        self.tracker: OffsetTracker[TopicPartition] = OffsetTracker(settings.max_inflight_per_partition)
+        self.gate = BackpressureGate(settings.backpressure)
+        self.guard = BadInputGuard(settings.bad_input_ratio, settings.bad_input_window)
+        self.tenants: TenantLimiter[InFlightJob] = TenantLimiter(settings.max_inflight_per_tenant)
+        self.done = OffsetDone(self.tracker, self.metrics)
+        self.exit_code = EXIT_OK
+        self.fatal_error: str | None = None  # why the worker stopped, when it was not asked to
+        self.metrics_port: int | None = None
+        self.served_model_name: str | None = None
+        self._stop = asyncio.Event()
+        self._tasks: set[asyncio.Task] = set()
+        self.engine_thread: EngineThread | None = None  # started once the steps are assembled
+
+    @property
+    def answered(self) -> int:
+        """Inputs whose answer is durable (or staged, exactly-once), this process."""
+        return self.done.answered
+
+    @property
+    def first_fetch_at(self) -> tuple[float, float] | None:
+        """(perf_counter, process_time) when the first record was taken."""
+        fetcher: Fetcher | None = getattr(self, "fetcher", None)
+        return fetcher.first_fetch_at if fetcher else None
+
+    @property
+    def last_answer_at(self) -> tuple[float, float] | None:
+        return self.done.last_answer_at
+
+    # ---------------------------------------------------------------------------------------
+    # start-up and shutdown
+    def request_stop(self, reason: str = "signal") -> None:
+        if not self._stop.is_set():
+            self.log.info("stop requested; draining", reason=reason, in_flight=self.tracker.in_flight())
+            self._stop.set()
+
+    def _fail(self, message: str, code: int = EXIT_FATAL) -> None:
+        if self.fatal_error is None:
+            self.fatal_error = message
+            self.exit_code = code
+            self.log.error("worker stopping on error", error=message)
+        self._stop.set()
+
+    async def run(self, install_signal_handlers: bool = True) -> int:
+        loop = asyncio.get_running_loop()
+        signals = (signal.SIGTERM, signal.SIGINT) if install_signal_handlers else ()
+        for sig in signals:
+            loop.add_signal_handler(sig, self.request_stop, sig.name)
+        server = None
+        if self.s.metrics_port is not None:
+            server = MetricsServer(self.metrics, self.health, self.s.metrics_host, self.s.metrics_port).start()
+            self.metrics_port = server.port
+            self.log.info("metrics endpoint up", port=server.port)
+        self.log.info("worker starting", bootstrap=self.s.bootstrap_servers, group=self.s.group_id,
+                      jobs_topic=self.s.jobs_topic, exactly_once=self.s.exactly_once,
+                      security=self.s.security.describe())
+        try:
+            engine = await self._load_model()
+            if not self._stop.is_set():
+                await self._run_kafka(loop, engine)
+        except Exception as exc:
+            self.log.exception("worker failed")
+            self.fatal_error = self.fatal_error or repr(exc)
+            self.exit_code = EXIT_FATAL
+        finally:
+            if self.engine_thread is not None:
+                await asyncio.to_thread(self.engine_thread.stop)
+            if server is not None:
+                server.stop()
+            for sig in signals:
+                loop.remove_signal_handler(sig)
+        self.log.info("worker stopped", exit_code=self.exit_code, error=self.fatal_error)
+        return self.exit_code
+
+    async def _load_model(self) -> Engine:
+        if self.engine is None:
+            from worker.engine import Engine
+            from worker.storage.checkpoint import resolve_model_path
+
+            t0 = time.monotonic()
+            # Every engine setting goes through unchanged; the model becomes a local directory.
+            config = replace(self.s.engine, model=str(resolve_model_path(self.s.engine.model)))
+            self.engine = await asyncio.to_thread(Engine, config)
+            self.log.info("model loaded", seconds=round(time.monotonic() - t0, 2))
+        self.served_model_name = self.engine.served_model_name
+        self.health.model_loaded = True
+        return self.engine
+
+    async def _run_kafka(self, loop: asyncio.AbstractEventLoop, engine: Engine) -> None:
+        s = self.s
+        self.producer = clients.new_producer(s)
+        await self.producer.start()
+        self.tokens = TokenStream(self.producer, s.tokens_topic, on_retry=self._on_publish_retry)
+        self.tokens.start()
+        self.consumer = clients.new_consumer(s)
+        self._assemble(loop, engine)
+        self.consumer.subscribe([s.jobs_topic], listener=self.rebalance)
+        await self.consumer.start()
+        try:
+            tasks = [self._spawn(self.fetcher.run(), "poll"), self._spawn(self.commits.run(), "commit"),
+                     self._spawn(self._look_up_dlq_partitions(), "dlq-partitions")]
+            await self._stop.wait()
+            await self._drain()
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        finally:
+            await self._close_kafka()
+
+    def _assemble(self, loop: asyncio.AbstractEventLoop, engine: Engine) -> None:
+        """The steps of a record's life, each given the next one; the delivery mode is chosen here.
+        Ends by starting the engine thread, whose reports feed the steps."""
+        s, log, tracker, metrics = self.s, self.log, self.tracker, self.metrics
+        self.ctx = AnswerContext(engine.served_model_name, s.worker_name, s.results_topic, s.dlq_topic)
+        retry = KafkaRetry(log, give_up=self._fail)
+        if s.exactly_once:
+            self.delivery = ExactlyOnce(s.group_id, partial(clients.new_transactional_producer, s), tracker,
+                                        next_step=self.done, log=log, retry=retry, on_fenced=self._lost)
+        else:
+            self.delivery = AtLeastOnce(self.producer, self.consumer, tracker, next_step=self.done, log=log,
+                                        on_retry=self._on_publish_retry)
+        engine_thread = EngineThread(engine, loop, self._on_step, self._on_engine_fatal)
+        self.inflight = InFlight(self.tenants, engine_thread, on_refused=self._refused)
+        self.intake = Intake(self.ctx, self.guard, admit=self.inflight.admit, answer=self._answer_now,
+                             on_guard_tripped=self._stop_for_bad_input, log=log)
+        self.output = EngineOutput(self.inflight, self.tokens, tracker, self.ctx, metrics,
+                                   record_input=self.intake.record, deliver=self.delivery.submit, spawn=self._spawn)
+        self.fetcher = Fetcher(self.consumer, tracker, self.gate, take=self.intake.take, stopping=self._stop.is_set,
+                               max_records=s.fetch_max_records, metrics=metrics, health=self.health, log=log)
+        self.commits = CommitLoop(s.commit_interval_s, tracker, self.delivery, self.consumer, metrics, log,
+                                  describe_fetch=self.fetcher.describe)
+        self.rebalance = Rebalance(s, self.consumer, tracker, self.delivery, self.done, self.inflight, retry=retry,
+                                   stopping=self._stop.is_set, forget=self._forget, health=self.health, log=log)
+        self.engine_thread = engine_thread
+        engine_thread.start()
+
+    async def _drain(self) -> None:
+        """Stop fetching, give in-flight jobs up to the drain timeout, answer, commit."""
+        self.health.draining = True
+        self.fetcher.pause_all()
+        engine_thread = self.inflight.engine_thread
+        # A failed engine finishes nothing more: stop waiting then.
+        left = await self.done.settle(None, self.s.drain_timeout_s, give_up=lambda: not engine_thread.alive)
+        await self.delivery.commit(self.tracker.partitions())
+        if left:
+            self.log.warning("drain timeout: abandoning in-flight jobs (they are redelivered)", abandoned=left)
+        self.inflight.abandon_where(lambda job: True)
+        committed = {f"{tp.topic}:{tp.partition}": offset for tp, offset in self.tracker.last_committed().items()}
+        self.log.info("drained", abandoned=left, committed=committed)
+
+    async def _close_kafka(self) -> None:
+        await self.delivery.close()
+        try:
+            await self.consumer.stop()  # leaves the group (unless static membership)
+        except Exception as exc:
+            self.log.warning("consumer close failed", error=repr(exc))
+        try:
+            await self.tokens.stop()
+        except Exception:
+            pass
+        try:
+            await self.producer.stop()
+        except Exception as exc:
+            self.log.warning("producer close failed", error=repr(exc))
+
+    async def _look_up_dlq_partitions(self) -> None:
+        # Until known, dead letters go where the producer's partitioner puts them.
+        self.ctx.dlq_partitions = await clients.partition_count(self.producer, self.s.dlq_topic, self.log)
+
+    # ---------------------------------------------------------------------------------------
+    # what connects the steps
+    def _on_step(self, deltas: list[RequestDelta], stats: EngineStats, new_tokens: int) -> None:
+        """The engine thread's report after each step, on the event loop."""
+        self.health.tick()
+        self.metrics.observe_engine(stats)
+        # Held jobs are waiting too, from the point of view of fetching more.
+        gate_moved = self.fetcher.engine_load(stats.waiting + self.tenants.held, stats.kv_usage)
+        self.output.take(deltas)
+        self.metrics.observe_tokens(new_tokens)
+        if gate_moved or self.fetcher.span_paused:
+            self.fetcher.update_pausing()
+
+    def _answer_now(self, answer: Answer) -> None:
+        f = answer.fetched
+        self._spawn(self.delivery.submit(answer), f"answer-{f.tp.partition}-{f.offset}")
+
+    def _refused(self, job: InFlightJob, reason: str) -> None:
+        self.intake.refuse(job, reason)
+
+    def _lost(self, tp: TopicPartition) -> None:
+        self.rebalance.lost(tp)
+
+    def _forget(self, partitions: set[TopicPartition]) -> None:
+        self.fetcher.forget(partitions)
+        self.commits.forget(partitions)
+
+    def _stop_for_bad_input(self, message: str) -> None:
+        self._fail(message, EXIT_BAD_INPUT)
+
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None and not isinstance(exc, PublishAbandoned):
+            self.log.error("internal task failed", task=task.get_name(), error=repr(exc), exc_info=exc)
+            self._fail(f"internal task {task.get_name()} failed: {exc!r}")
+
+    def _on_engine_fatal(self, exc: BaseException, detail: str) -> None:
+        self.log.error("engine thread failed", error=repr(exc), traceback=detail)
+        self._fail(f"engine failed: {exc!r}")
+
+    def _on_publish_retry(self, exc: BaseException, attempt: int) -> None:
+        if attempt == 1 or attempt % 10 == 0:
+            self.log.warning("publish failed; retrying", error=repr(exc), attempt=attempt)
