@@ -25,8 +25,19 @@ ERROR_INVALID_JOB: Final = "invalid_job"  # not UTF-8, not JSON, not an object, 
 ERROR_PROMPT_TOO_LONG: Final = "prompt_too_long"  # prompt (+ chat template) longer than the model allows
 ERROR_MODEL_MISMATCH: Final = "model_mismatch"  # job.model is not the worker's served model name
 ERROR_INTERNAL: Final = "internal"  # the worker failed while running a valid job
-ERROR_CODES: Final = (ERROR_INVALID_JOB, ERROR_PROMPT_TOO_LONG, ERROR_MODEL_MISMATCH, ERROR_INTERNAL)
-ErrorCode = Literal["invalid_job", "prompt_too_long", "model_mismatch", "internal"]
+ERROR_CRASHED_WORKER: Final = "crashed_worker"  # in flight each time a worker died, attempts used up
+ERROR_RESULT_TOO_LARGE: Final = "result_too_large"  # even cut down, the Result passes the topic's size limit
+ERROR_CODES: Final = (
+    ERROR_INVALID_JOB,
+    ERROR_PROMPT_TOO_LONG,
+    ERROR_MODEL_MISMATCH,
+    ERROR_INTERNAL,
+    ERROR_CRASHED_WORKER,
+    ERROR_RESULT_TOO_LARGE,
+)
+ErrorCode = Literal[
+    "invalid_job", "prompt_too_long", "model_mismatch", "internal", "crashed_worker", "result_too_large"
+]
 
 # Headers on dead-letter records (values are UTF-8 bytes; partition and offset in decimal).
 HEADER_ERROR_CODE: Final = "tokenmill.error.code"

@@ -20,7 +20,9 @@ from typing import Any
 from pydantic import ValidationError
 
 from schemas.constants import (
+    ERROR_CRASHED_WORKER,
     ERROR_INTERNAL,
+    ERROR_RESULT_TOO_LARGE,
     STATUS_ERROR,
     STATUS_EXPIRED,
     STATUS_OK,
@@ -35,6 +37,9 @@ COMPLETIONS_URL = "/v1/completions"
 OPENAI_BATCH_URLS = (CHAT_COMPLETIONS_URL, COMPLETIONS_URL)
 
 LINE_FIELDS = ("custom_id", "method", "url", "body")
+
+# Error codes that are the worker's failure, not the request's: HTTP 500 / server_error.
+SERVER_ERROR_CODES = frozenset({ERROR_INTERNAL, ERROR_CRASHED_WORKER, ERROR_RESULT_TOO_LARGE})
 
 # Fields that cannot change what is generated: accepted and ignored.
 IGNORED_BODY_FIELDS = frozenset({"user", "store", "metadata", "service_tier"})
@@ -363,8 +368,8 @@ def openai_batch_output_line(
     a plain Job line may use ``CHAT_COMPLETIONS_URL`` for messages, ``COMPLETIONS_URL`` otherwise)
     and may be None for failed ones. ``created`` defaults to now (unix seconds).
 
-    status ok -> HTTP 200 with the completion body; status error -> HTTP 400 (500 for
-    ``internal``) with an OpenAI error body; status expired -> no response and the error
+    status ok -> HTTP 200 with the completion body; status error -> HTTP 400 (500 for the
+    worker's own failures, SERVER_ERROR_CODES) with an OpenAI error body; status expired -> no response and the error
     ``batch_expired``, as OpenAI reports requests its batch window did not reach.
     """
     digest = _digest(result)
@@ -381,7 +386,7 @@ def openai_batch_output_line(
         line["error"] = None
     elif result.status == STATUS_ERROR:
         assert result.error is not None  # guaranteed by Result's validation
-        internal = result.error.code == ERROR_INTERNAL
+        internal = result.error.code in SERVER_ERROR_CODES
         line["response"] = {
             "status_code": 500 if internal else 400,
             "request_id": f"req_{digest}",

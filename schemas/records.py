@@ -90,7 +90,7 @@ class TokenLogprob(RecordModel):
 
 
 # Optional parts left out of the wire form when they are not there ("logprobs appears when asked").
-_OMITTED_WHEN_NONE = ("source", "metadata", "error", "logprobs")
+_OMITTED_WHEN_NONE = ("source", "metadata", "error", "logprobs", "truncated")
 
 
 class Result(RecordModel):
@@ -139,6 +139,11 @@ class Result(RecordModel):
     error: ErrorInfo | None = Field(default=None, description="Set exactly when status is error.")
     logprobs: list[TokenLogprob] | None = Field(
         default=None, description="One per generated token, when asked."
+    )
+    truncated: bool | None = Field(
+        default=None,
+        description="true when the Result was cut down to fit the results topic's size limit (logprobs "
+        "dropped first, then text past a limit); absent otherwise.",
     )
 
     @model_validator(mode="after")
