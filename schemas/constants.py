@@ -45,6 +45,8 @@ HEADER_ERROR_MESSAGE: Final = "tokenmill.error.message"
 HEADER_SOURCE_TOPIC: Final = "tokenmill.source.topic"
 HEADER_SOURCE_PARTITION: Final = "tokenmill.source.partition"
 HEADER_SOURCE_OFFSET: Final = "tokenmill.source.offset"
+# Only on a dead letter whose value was cut to fit the dead-letter topic: the value's full length.
+HEADER_VALUE_ORIGINAL_BYTES: Final = "tokenmill.value.original_bytes"
 DEAD_LETTER_HEADERS: Final = (
     HEADER_ERROR_CODE,
     HEADER_ERROR_MESSAGE,

@@ -27,4 +27,5 @@ pytest_plugins = [
     "tests.fixtures.models",
     "tests.fixtures.kafka",
     "tests.fixtures.s3",
+    "tests.fixtures.secure_kafka",
 ]

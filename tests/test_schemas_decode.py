@@ -33,16 +33,16 @@ from schemas import (
         (
             b'{"job_id": "a", "prompt": "p", "sampling": {"temperature": NaN}}',
             "NaN is not a JSON value",
-            None,
+            "a",
         ),
         (
             b'{"job_id": "a", "prompt": "p", "sampling": {"top_p": Infinity}}',
             "Infinity is not a JSON value",
-            None,
+            "a",
         ),
-        (b'{"job_id": "a", "prompt": "p", "prompt": "q"}', "duplicate key 'prompt'", None),
-        (b'{"job_id": "a", "prompt": "\\ud800"}', "lone UTF-16 surrogate", None),
-        (b'{"job_id": "a", "prompt": "p", "priority": 1' + b"0" * 5000 + b"}", "not JSON", None),
+        (b'{"job_id": "a", "prompt": "p", "prompt": "q"}', "duplicate key 'prompt'", "a"),
+        (b'{"job_id": "a", "prompt": "\\ud800"}', "lone UTF-16 surrogate", "a"),
+        (b'{"job_id": "a", "prompt": "p", "priority": 1' + b"0" * 5000 + b"}", "not JSON", "a"),
         (b"[" * 100_000 + b"]" * 100_000, "not JSON", None),
         (b"[]", "must be a JSON object, got an array", None),
         (b'"job"', "must be a JSON object, got a string", None),
@@ -60,6 +60,42 @@ def test_bad_input_is_one_error_type(raw, reason, job_id):
     assert exc.value.code == ERROR_INVALID_JOB
     assert reason in exc.value.message
     assert exc.value.job_id == job_id
+
+
+@pytest.mark.parametrize(
+    "raw,job_id",
+    [
+        # The strict rules refuse these, the id is read all the same (the contract's error Result).
+        (b'{"job_id": "j-7", "prompt": "a \\udc00 lone low surrogate"}', "j-7"),
+        (b'{"prompt": "\\ud83d", "metadata": {"job_id": "inner"}, "job_id": "last-key"}', "last-key"),
+        (b'{"job_id": "j-8", "messages": [{"role": "user", "content": "\\ud800"}], "sampling": {"seed": NaN}}',
+         "j-8"),
+        # No id can be read: the id itself is unusable, given twice, or not there at all.
+        (b'{"job_id": "bad \\ud800 id", "prompt": "p"}', None),
+        (b'{"job_id": "a", "job_id": "b", "prompt": "\\ud800"}', None),
+        (b'{"prompt": "\\ud800", "metadata": {"job_id": "inner"}}', None),
+        (b'{"job_id": "a", "prompt": "\\ud800", "sampling": {"max_tokens": 1, }', None),  # not JSON at all
+    ],
+)
+def test_the_job_id_is_read_first_even_when_another_field_cannot_be_decoded(raw, job_id):
+    with pytest.raises(JobDecodeError) as exc:
+        decode_job(raw)
+    assert exc.value.code == ERROR_INVALID_JOB and exc.value.job_id == job_id
+    with pytest.raises(JobDecodeError) as exc:
+        parse_input_line(raw)
+    assert exc.value.job_id == job_id  # run-batch reads lines with the same decoder
+
+
+def test_an_openai_batch_line_that_cannot_be_decoded_is_answered_under_its_custom_id():
+    raw = (b'{"custom_id": "c9", "method": "POST", "url": "/v1/completions", '
+           b'"body": {"prompt": "\\ud800", "max_tokens": 2}}')
+    with pytest.raises(JobDecodeError) as exc:
+        parse_input_line(raw)
+    assert exc.value.job_id == "c9" and "surrogate" in exc.value.message
+    # On the jobs topic only a Job's own job_id counts (a batch line is not a Job there).
+    with pytest.raises(JobDecodeError) as exc:
+        decode_job(raw)
+    assert exc.value.job_id is None
 
 
 def test_valid_surrogate_pair_escape_is_fine():

@@ -1,10 +1,11 @@
 """Workers as subprocesses against the real broker: SIGTERM drain, kill -9 crashes (at-least-once
-and exactly-once), a broker restart in the middle of a run."""
+and exactly-once), a broker restart in the middle of a run, a job that kills its worker each time."""
 
 import asyncio
 import json
 import os
 import signal
+import sys
 import time
 
 import pytest
@@ -226,3 +227,66 @@ async def test_broker_restart_mid_run_loses_nothing(tiny_llama_dir, tmp_path):
         if proc is not None:
             stop_process(proc, signal.SIGKILL)
         broker.stop(timeout=30)
+
+
+KILL_PROMPT = "this job kills the worker process"
+
+
+@pytest.mark.parametrize("exactly_once", [False, True], ids=["at-least-once", "exactly-once"])
+async def test_a_job_that_kills_its_worker_every_time_is_dead_lettered_after_3_attempts(
+        kafka_bootstrap, tiny_llama_dir, tmp_path, exactly_once):
+    """One partition, 30 jobs; the engine of the worker (tests/killing_worker.py) SIGKILLs its own
+    process whenever job 5 is in a step. The worker is restarted after each death until every job
+    is answered: job 5 runs 3 times, then is dead-lettered as crashed_worker; the others are ok.
+    Exactly-once: the counts travel in the transactions' offset commits."""
+    n_jobs, killer = 30, 5
+    topics = await make_topics(kafka_bootstrap, "killer-eos" if exactly_once else "killer", partitions=1)
+    jobs = [job(i, max_tokens=4) for i in range(n_jobs)]
+    jobs[killer]["prompt"] = KILL_PROMPT
+    killer_id = jobs[killer]["job_id"]
+    await produce(kafka_bootstrap, topics.jobs, jobs)
+    ran, log = tmp_path / "killer-ran", tmp_path / "worker.log"
+    # Static membership: a restarted worker takes the partition over at once, no session timeout.
+    extra = ["--exactly-once"] if exactly_once else []
+    flags = worker_command(kafka_bootstrap, topics, tiny_llama_dir, "--instance-id", "killer-w1",
+                           "--log-level", "INFO", *extra)[3:]
+    cmd = [sys.executable, "-m", "tests.killing_worker", str(ran), KILL_PROMPT, *flags]
+    ids = {j["job_id"] for j in jobs}
+    t0, deaths, results = time.monotonic(), 0, {}
+    proc = start_worker_process(cmd, log)
+    try:
+        while time.monotonic() - t0 < 150:
+            if proc.poll() is not None:
+                assert proc.returncode == -signal.SIGKILL, _log_tail(log)
+                deaths += 1
+                assert deaths <= 3, f"the killer ran more than 3 times: {ran.read_text()}"
+                proc = start_worker_process(cmd, log)
+            results = results_by_job(await read_topic(kafka_bootstrap, topics.results,
+                                                      lambda r: {x.key.decode() for x in r} >= ids, timeout=1.0,
+                                                      read_committed=exactly_once))
+            if set(results) >= ids:
+                break
+        assert set(results) >= ids, f"no Result for {sorted(ids - set(results))} after {deaths} deaths"
+        assert proc.poll() is None, _log_tail(log)
+    finally:
+        code = stop_process(proc)
+    seconds = time.monotonic() - t0
+    assert code == 0, _log_tail(log)
+    assert deaths == 3 and len(ran.read_text().splitlines()) == 3
+    (answer,) = results[killer_id]
+    assert (answer["status"], answer["error"]["code"]) == ("error", "crashed_worker"), answer
+    assert answer["source"]["offset"] == killer
+    others = [r for job_id, rs in results.items() if job_id != killer_id for r in rs]
+    assert all(r["status"] == "ok" for r in others)
+    dead = await read_topic(kafka_bootstrap, topics.dlq, lambda r: len(r) >= 1, timeout=5,
+                            read_committed=exactly_once)
+    assert [(r.value, dict(r.headers)["tokenmill.error.code"]) for r in dead] == [
+        (json.dumps(jobs[killer]).encode(), b"crashed_worker")]
+    assert await committed_offsets(kafka_bootstrap, topics.group, topics.jobs, 1) == {0: n_jobs}
+    alone = sum('"event": "a job that was in flight when workers died runs alone"' in line
+                for line in log.read_text(errors="replace").splitlines())
+    if exactly_once:
+        assert len(others) == n_jobs - 1  # a read_committed reader sees one Result per job
+    print(f"\njob of death ({'exactly' if exactly_once else 'at least'} once): 3 deaths, killer dead-lettered; "
+          f"{alone} runs alone; "
+          f"{len(others)} ok Results for {n_jobs - 1} other jobs; {seconds:.0f} s")

@@ -221,8 +221,9 @@ class FakeTokens:
         self.events: list[dict] = []
         self.confirmed: list[list] = []
 
-    def publish(self, job_id: str, payload: bytes, sink: list) -> None:
+    def publish(self, job_id: str, payload: bytes, sink: list) -> bool:
         self.events.append(json.loads(payload))
+        return True
 
     async def confirm(self, sink: list, still_wanted=lambda: True) -> None:
         self.confirmed.append(sink)
@@ -550,3 +551,29 @@ async def test_a_rebalance_starts_epochs_at_the_committed_offset_and_lets_revoke
     assert consumer.commits == [{TP: 8}]  # the answered offset is committed, the unanswered one is not
     assert thread.aborted == [job.attempt] and tracker.get(TP) is None and forgotten == [{TP}]
     assert tracker.get(other) is not None
+
+
+
+async def test_a_token_event_left_out_for_its_size_takes_no_index():
+    # The stream stays gap-free: the event after a left-out one gets the index it would have had.
+    class SmallTopic(FakeTokens):
+        def publish(self, job_id: str, payload: bytes, sink: list) -> bool:
+            return b"HUGE" not in payload and super().publish(job_id, payload, sink)
+
+    inflight, _, _ = _inflight(cap=0)
+    job = _job(stream=True)
+    tracker = OffsetTracker(10)
+    _tracked(tracker, TP, 5)
+    tokens, tasks = SmallTopic(), []
+
+    async def deliver(answer: Answer) -> None:
+        pass
+
+    output = EngineOutput(inflight, tokens, tracker, _ctx(), WorkerMetrics(), record_input=lambda code: None,
+                          deliver=deliver, spawn=lambda coro, name: tasks.append(asyncio.ensure_future(coro)))
+    inflight.admit(job)
+    output.take([RequestDelta(job.request_id, [5], "a")])
+    output.take([RequestDelta(job.request_id, [6], "HUGE")])
+    output.take([_final(job.request_id)])
+    await asyncio.gather(*tasks)
+    assert [(e["index"], e["finished"]) for e in tokens.events] == [(0, False), (1, True)]

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 
 async def topic_partitions(consumer, topic: str) -> list[int]:
-    """The partition ids of `topic`, fetched fresh from the cluster; ValueError if it does not exist.
+    """The partition ids of `topic`, fetched fresh from the cluster; ValueError if it does not exist,
+    KafkaAccessDenied (worker/kafka/security.py) if this principal may not describe it.
 
     aiokafka's public `topics()` fetches the metadata but does not keep it, and
     `partitions_for_topic()` only answers from metadata the client already holds (None for a topic
@@ -13,5 +14,9 @@ async def topic_partitions(consumer, topic: str) -> list[int]:
     cluster = await consumer._client.fetch_all_metadata()
     parts = cluster.partitions_for_topic(topic)
     if not parts:
+        # A topic this principal may not describe is left out of the list, as if it did not exist.
+        from worker.kafka.security import check_topic_access
+
+        await check_topic_access(consumer._client, {topic: "READ"})
         raise ValueError(f"topic {topic!r} does not exist (create it first; see deploy/TOPICS.md)")
     return sorted(parts)

@@ -146,6 +146,8 @@ async def produce(
     from aiokafka import AIOKafkaProducer
     from tqdm import tqdm
 
+    from worker.kafka.security import start_checked
+
     if key not in KEY_MODES:
         raise ValueError(f"--key must be one of {', '.join(KEY_MODES)}")
     err = err or sys.stderr
@@ -154,7 +156,8 @@ async def produce(
     started = time.monotonic()
     producer = AIOKafkaProducer(bootstrap_servers=bootstrap_servers, acks="all", enable_idempotence=True,
                                 linger_ms=5, **(kafka_options or {}))
-    await producer.start()
+    # Refused credentials raise KafkaAccessDenied here; a missing ACL raises from a send below.
+    await start_checked(producer, bootstrap_servers, kafka_options or {})
     bar = tqdm(total=total, unit="job", disable=not progress, file=sys.stderr, desc="produce", dynamic_ncols=True)
     pending: list = []
     try:

@@ -94,9 +94,13 @@ async def follow(
     """Yield each record of `topic` as a dict (undecodable records are reported and skipped)."""
     from aiokafka import AIOKafkaConsumer, TopicPartition
 
+    from worker.kafka.security import start_checked
+
     consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap_servers, group_id=None, enable_auto_commit=False,
                                 isolation_level="read_committed", **(kafka_options or {}))
-    await consumer.start()
+    # Refused credentials raise KafkaAccessDenied here; a missing READ ACL raises from
+    # topic_partitions or from a fetch.
+    await start_checked(consumer, bootstrap_servers, kafka_options or {})
     try:
         from tools.kafka_topics import topic_partitions
 

@@ -29,10 +29,20 @@ class WorkerSettings:
     drain_timeout_s: float = 30.0
     revoke_grace_s: float = 5.0  # how long a revoked partition's in-flight jobs may finish
     commit_interval_s: float = 1.0
+    # How long a broker may be away at start (and for a call an assignment cannot do without)
+    # before the worker gives up; an outage while running is waited out for as long as it lasts.
+    broker_wait_timeout_s: float = 300.0
     metrics_port: int | None = None  # None = no HTTP server; 0 = any free port
     metrics_host: str = "0.0.0.0"
     max_inflight_per_partition: int = 1024
     max_inflight_per_tenant: int = 0  # 0 = no cap
+    # Jobs handed to the engine at once (running or waiting there); the rest wait in the worker
+    # and are handed over round-robin across tenants (kafka/tenants.py). None = 2 x max_num_seqs,
+    # 0 = no bound (every job goes to the engine when fetched).
+    max_engine_jobs: int | None = None
+    # A job in the engine each time a worker died this many times is dead-lettered (crashed_worker)
+    # instead of run again; 0 = off (no counting, no write-ahead commit before a start).
+    max_crash_attempts: int = 3
     bad_input_ratio: float = 0.9
     bad_input_window: int = 200
     fetch_max_records: int = 256
@@ -41,6 +51,10 @@ class WorkerSettings:
     max_poll_interval_ms: int = 300_000
     backpressure: BackpressurePolicy = field(default_factory=BackpressurePolicy)
     security: KafkaSecurity = field(default_factory=KafkaSecurity)
+
+    def engine_jobs_bound(self) -> int:
+        """max_engine_jobs, or its default: 2 x the engine's max_num_seqs (0 = no bound)."""
+        return 2 * self.engine.max_num_seqs if self.max_engine_jobs is None else self.max_engine_jobs
 
     def validate(self) -> None:
         problems = []
@@ -59,12 +73,18 @@ class WorkerSettings:
             problems.append("--max-inflight-per-partition must be >= 1")
         if self.max_inflight_per_tenant < 0:
             problems.append("--max-inflight-per-tenant must be >= 0")
+        if self.max_engine_jobs is not None and self.max_engine_jobs < 0:
+            problems.append("--max-engine-jobs must be >= 0")
+        if self.max_crash_attempts < 0:
+            problems.append("--max-crash-attempts must be >= 0")
         if not 0 < self.bad_input_ratio <= 1:
             problems.append("--bad-input-ratio must be in (0, 1]")
         if self.bad_input_window < 1:
             problems.append("--bad-input-window must be >= 1")
         if self.commit_interval_s <= 0:
             problems.append("--commit-interval must be > 0")
+        if self.broker_wait_timeout_s < 0:
+            problems.append("--broker-wait-timeout must be >= 0")
         if problems:
             raise ValueError("; ".join(problems))
         self.security.validate()

@@ -2,7 +2,8 @@
 
 Each worker has its own CollectorRegistry (tests run several in one process). The HTTP server
 runs in a daemon thread so a busy event loop never makes a probe time out; /healthz checks that
-the event loop has ticked recently, /readyz that the model is loaded and the group joined.
+the event loop has ticked recently, /readyz that the model is loaded, the group joined and a broker
+reachable (an outage makes the worker not ready, never unhealthy: it keeps its engine and waits).
 """
 
 from __future__ import annotations
@@ -59,7 +60,43 @@ class WorkerMetrics:
             registry=r,
         )
         self.paused = Gauge("tokenmill_fetch_paused", "1 while fetching is paused by backpressure", registry=r)
+        self.broker_reachable = Gauge(
+            "tokenmill_broker_reachable", "1 while a broker answers the worker's probe, 0 during an outage", registry=r
+        )
+        self.broker_reachable.set(1)
+        self.partitions_assigned = Gauge(
+            "tokenmill_partitions_assigned", "Partitions of the jobs topic assigned to this worker", registry=r
+        )
+        self.partitions_paused = Gauge(
+            "tokenmill_partitions_paused", "Assigned partitions whose fetching is paused now", registry=r
+        )
+        self.uncommitted = Gauge(
+            "tokenmill_uncommitted_offsets",
+            "Offsets fetched and not yet committed, all partitions: what another worker would read again "
+            "if this one died now",
+            registry=r,
+        )
+        # Output sizes (worker/kafka/sizing.py) and records the broker refused for good (publisher.py).
+        self.records_cut = Counter(
+            "tokenmill_records_cut", "Answers cut down to fit their topic's max.message.bytes", ["how"], registry=r
+        )
+        self.token_events_dropped = Counter(
+            "tokenmill_token_events_dropped", "TokenEvents left out of the stream (too large, or refused for good)",
+            ["reason"], registry=r,
+        )
+        self.publish_refused = Counter(
+            "tokenmill_publish_refused", "Sends the broker refused for good", ["reason"], registry=r
+        )
+        self.jobs_held = Gauge(
+            "tokenmill_jobs_held", "Jobs fetched and waiting in the worker for a place in the engine", registry=r
+        )
         self._tok_window: list[tuple[float, int]] = []
+
+    def count_cuts(self, records) -> None:
+        """Count the records of one answer that were cut down to fit (their `cut` says how)."""
+        for rec in records:
+            if rec.cut:
+                self.records_cut.labels(rec.cut).inc()
 
     def count_answer(self, outcome: str, code: str | None) -> None:
         """Count one answered input: ok, expired, or an error that was dead-lettered as well."""
@@ -105,6 +142,7 @@ class HealthState:
         self.model_loaded = False
         self.group_joined = False
         self.draining = False
+        self.broker_reachable = True  # False while the broker watch's probe fails (broker_watch.py)
         self.stall_after_s = stall_after_s
         self._last_tick = time.monotonic()
 
@@ -124,6 +162,8 @@ class HealthState:
             return False, "consumer group not joined"
         if self.draining:
             return False, "draining"
+        if not self.broker_reachable:
+            return False, "no broker reachable"
         return True, "ok"
 
 

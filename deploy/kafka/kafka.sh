@@ -4,10 +4,19 @@
 #   kafka.sh fetch                                   copy the Kafka jars into the cache (once)
 #   kafka.sh start  --port P --data-dir D [--controller-port C] [--timeout S] [--owner-pid PID]
 #                   [--auto-create-topics true|false]
+#                   [--sasl-ssl T --scram-users FILE [--super-user NAME]]
+#   kafka.sh tls    --dir T [--days N]                 a CA and a broker key store (keytool), for --sasl-ssl
 #   kafka.sh status --data-dir D                      exit 0 running, 3 stopped
 #   kafka.sh stop   --data-dir D [--timeout S]        SIGTERM, wait, SIGKILL fallback
 #   kafka.sh libs                                     print the jar directory (after fetch)
 #   kafka.sh lock                                     rewrite jars.lock from pom.xml (needs Maven)
+#
+# --sasl-ssl: the client listener is SASL_SSL (SCRAM-SHA-512, the TLS files of `kafka.sh tls` in
+# T) and ACLs are enforced (StandardAuthorizer, nothing allowed without an ACL); see
+# server-sasl-ssl.properties.template. FILE holds one `name=password` line per SCRAM user; they are
+# created when the storage is formatted (the first start of a data directory) and NAME (default
+# admin) is the super user the broker itself logs in as. Without --sasl-ssl the node is PLAINTEXT
+# with no authorizer.
 #
 # Everything a running node needs lives in its data directory:
 #   D/server.properties  D/kafka.pid  D/kafka.log  D/ports  D/log/ (the Kafka log dir)
@@ -233,8 +242,98 @@ cds_publish() {
 }
 
 # ---------------------------------------------------------------------------------------------
+# TLS files for --sasl-ssl, made with Java's keytool: a certificate authority of our own, and a
+# broker key and certificate signed by it for 127.0.0.1 and localhost. T gets ca.pem (what clients
+# trust: --ssl-cafile), broker.keystore.p12 (the broker's key with its certificate chain),
+# truststore.p12 (the CA, for the broker's connections to itself), ca.p12 (the CA's key, to sign
+# more) and store.password (the password of the stores). Only the owner can read them. A
+# directory that already has them is left as it is.
+cmd_tls() {
+    local dir="" days=30
+    while [[ $# -gt 0 ]]; do
+        case "$1" in
+            --dir) dir="$2"; shift 2 ;;
+            --days) days="$2"; shift 2 ;;
+            *) die "tls: unknown argument '$1'" ;;
+        esac
+    done
+    [[ -n "$dir" ]] || die "tls: --dir is required"
+    [[ "$days" =~ ^[1-9][0-9]*$ ]] || die "tls: --days takes a positive number (got '$days')"
+    command -v keytool >/dev/null || die "tls: keytool is needed (it comes with Java 17+)"
+    umask 077
+    mkdir -p "$dir"
+    dir="$(cd "$dir" && pwd)"
+    local f missing=0
+    for f in ca.pem ca.p12 broker.keystore.p12 truststore.p12 store.password; do
+        [[ -s "$dir/$f" ]] || missing=1
+    done
+    if [[ "$missing" == 0 ]]; then
+        echo "kafka.sh: TLS files already in $dir"
+        return 0
+    fi
+    local tmp password
+    tmp="$(mktemp -d "$dir/tls.tmp.XXXXXX")"
+    password="$(head -c 18 /dev/urandom | base64 | tr -d '+/=\n')"
+    printf '%s\n' "$password" >"$tmp/store.password"
+    local kt=(keytool -noprompt -storetype PKCS12 -storepass "$password")
+    local san="SAN=ip:127.0.0.1,dns:localhost"
+    if ! {
+        "${kt[@]}" -genkeypair -keystore "$tmp/ca.p12" -alias ca -keyalg RSA -keysize 2048 -validity "$days" \
+            -dname "CN=tokenmill local CA" -ext bc:c -ext ku:c=keyCertSign,cRLSign &&
+        "${kt[@]}" -exportcert -keystore "$tmp/ca.p12" -alias ca -rfc -file "$tmp/ca.pem" &&
+        "${kt[@]}" -genkeypair -keystore "$tmp/broker.keystore.p12" -alias broker -keyalg RSA -keysize 2048 \
+            -validity "$days" -dname "CN=localhost" -ext "$san" &&
+        "${kt[@]}" -certreq -keystore "$tmp/broker.keystore.p12" -alias broker -file "$tmp/broker.csr" &&
+        "${kt[@]}" -gencert -keystore "$tmp/ca.p12" -alias ca -infile "$tmp/broker.csr" -outfile "$tmp/broker.pem" \
+            -rfc -validity "$days" -ext "$san" -ext ku:c=digitalSignature,keyEncipherment -ext eku=serverAuth &&
+        "${kt[@]}" -importcert -keystore "$tmp/broker.keystore.p12" -alias ca -file "$tmp/ca.pem" &&
+        "${kt[@]}" -importcert -keystore "$tmp/broker.keystore.p12" -alias broker -file "$tmp/broker.pem" &&
+        "${kt[@]}" -importcert -keystore "$tmp/truststore.p12" -alias ca -file "$tmp/ca.pem"
+    } >"$tmp/keytool.log" 2>&1; then
+        cat "$tmp/keytool.log" >&2
+        rm -rf "$tmp"
+        die "tls: keytool failed (output above)"
+    fi
+    for f in ca.pem ca.p12 broker.keystore.p12 truststore.p12 store.password; do
+        mv -f "$tmp/$f" "$dir/$f"
+    done
+    rm -rf "$tmp"
+    echo "kafka.sh: TLS files in $dir (CA: $dir/ca.pem)"
+}
+
+# SCRAM users of a --scram-users file as "name password" lines. Names and passwords are limited
+# to characters that need no quoting in the storage tool's [name=...,password=...] syntax.
+scram_users() {  # scram_users FILE
+    local line name password
+    while IFS= read -r line || [[ -n "$line" ]]; do
+        [[ -z "$line" || "$line" == \#* ]] && continue
+        name="${line%%=*}"
+        password="${line#*=}"
+        [[ "$name" =~ ^[A-Za-z0-9._-]+$ && "$password" =~ ^[A-Za-z0-9._~-]+$ && "$line" == *=* ]] \
+            || die "start: $1: each line is name=password, from the characters A-Z a-z 0-9 . _ - (and ~ in passwords)"
+        echo "$name $password"
+    done <"$1"
+}
+
+# The SASL_SSL overlay: render server-sasl-ssl.properties.template and let its keys replace
+# those of the same name in the plain configuration already written to PROPS.
+apply_sasl_ssl() {  # apply_sasl_ssl PROPS TLS_DIR USERS_FILE SUPER_USER PORT CONTROLLER_PORT
+    local props="$1" tls="$2" users="$3" super="$4" super_password store_password overlay merged
+    store_password="$(head -n1 "$tls/store.password")"
+    super_password="$(scram_users "$users" | awk -v u="$super" '$1 == u { print $2; exit }')"
+    [[ -n "$super_password" ]] || die "start: the super user '$super' is not in $users"
+    overlay="$(sed -e "s|@PORT@|$5|g" -e "s|@CONTROLLER_PORT@|$6|g" -e "s|@TLS_DIR@|$tls|g" \
+        -e "s|@STORE_PASSWORD@|$store_password|g" -e "s|@SUPER_USER@|$super|g" \
+        -e "s|@SUPER_PASSWORD@|$super_password|g" "$HERE/server-sasl-ssl.properties.template")"
+    merged="$(awk -F= 'NR == FNR { if ($0 ~ /^[a-z]/) set[$1] = 1; next } !($1 in set)' \
+        <(printf '%s\n' "$overlay") "$props")"
+    printf '%s\n\n%s\n' "$merged" "$overlay" >"$props"
+    chmod 600 "$props"  # it holds the super user's password
+}
+
+# ---------------------------------------------------------------------------------------------
 cmd_start() {
-    local port="" dir="" cport="" timeout=120 owner="" auto_create=true
+    local port="" dir="" cport="" timeout=120 owner="" auto_create=true tls_dir="" users_file="" super_user=admin
     while [[ $# -gt 0 ]]; do
         case "$1" in
             --port) port="$2"; shift 2 ;;
@@ -243,10 +342,22 @@ cmd_start() {
             --timeout) timeout="$2"; shift 2 ;;
             --owner-pid) owner="$2"; shift 2 ;;
             --auto-create-topics) auto_create="$2"; shift 2 ;;
+            --sasl-ssl) tls_dir="$2"; shift 2 ;;
+            --scram-users) users_file="$2"; shift 2 ;;
+            --super-user) super_user="$2"; shift 2 ;;
             *) die "start: unknown argument '$1'" ;;
         esac
     done
     [[ -n "$dir" ]] || die "start: --data-dir is required"
+    if [[ -n "$tls_dir" ]]; then
+        [[ -s "$tls_dir/broker.keystore.p12" && -s "$tls_dir/store.password" ]] \
+            || die "start: no TLS files in '$tls_dir' (make them with: kafka.sh tls --dir $tls_dir)"
+        tls_dir="$(cd "$tls_dir" && pwd)"
+        [[ -n "$users_file" && -f "$users_file" ]] || die "start: --sasl-ssl needs --scram-users FILE (name=password lines)"
+        scram_users "$users_file" >/dev/null  # refuses a malformed file here, in this shell
+    elif [[ -n "$users_file" ]]; then
+        die "start: --scram-users goes with --sasl-ssl"
+    fi
     mkdir -p "$dir"
     dir="$(cd "$dir" && pwd)"
     # A restart reuses the ports recorded at first start unless told otherwise.
@@ -285,6 +396,13 @@ cmd_start() {
     sed -e "s|@PORT@|$port|g" -e "s|@CONTROLLER_PORT@|$cport|g" -e "s|@LOG_DIR@|$log_dir|g" \
         -e "s|@AUTO_CREATE@|$auto_create|g" \
         "$HERE/server.properties.template" >"$props"
+    local scram_args=() name password
+    if [[ -n "$tls_dir" ]]; then
+        apply_sasl_ssl "$props" "$tls_dir" "$users_file" "$super_user" "$port" "$cport"
+        while read -r name password; do
+            scram_args+=(--add-scram "SCRAM-SHA-512=[name=$name,password=$password]")
+        done < <(scram_users "$users_file")
+    fi
     printf 'port=%s\ncontroller_port=%s\nkafka_version=%s\n' "$port" "$cport" "$KAFKA_VERSION" >"$dir/ports"
 
     local heap="${KAFKA_HEAP_OPTS:--Xms128m -Xmx512m}"
@@ -303,7 +421,7 @@ cmd_start() {
         echo "kafka.sh: formatting KRaft storage in $log_dir" >&2
         # shellcheck disable=SC2086
         if ! "${java_cmd[@]}" $cds_use kafka.tools.StorageTool format --standalone \
-                -t "$(new_cluster_id)" -c "$props" >>"$log" 2>&1; then
+                -t "$(new_cluster_id)" -c "$props" ${scram_args[@]+"${scram_args[@]}"} >>"$log" 2>&1; then
             log_tail "$log"
             die "start: formatting the storage failed"
         fi
@@ -444,6 +562,7 @@ main() {
         lock) cmd_lock "$@" ;;
         libs) cmd_fetch && echo "$LIBS" ;;
         start) cmd_start "$@" ;;
+        tls) cmd_tls "$@" ;;
         status) cmd_status "$@" ;;
         stop) cmd_stop "$@" ;;
         _watch) cmd__watch "$@" ;;
@@ -451,7 +570,7 @@ main() {
         -h|--help|help|"")
             awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "${BASH_SOURCE[0]}"
             [[ -n "$cmd" ]] ;;
-        *) die "unknown command '$cmd' (fetch, lock, start, status, stop, libs, version)" ;;
+        *) die "unknown command '$cmd' (fetch, lock, start, status, stop, tls, libs, version)" ;;
     esac
 }
 

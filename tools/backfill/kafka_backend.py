@@ -39,6 +39,7 @@ class KafkaBackend(Backend):
         from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
         from tools.kafka_topics import topic_partitions
+        from worker.kafka.security import start_checked
 
         opts = dict(self.cfg.kafka_options)
         topic = self.cfg.results_topic
@@ -46,7 +47,9 @@ class KafkaBackend(Backend):
             bootstrap_servers=self.cfg.bootstrap_servers, group_id=None, enable_auto_commit=False,
             isolation_level="read_committed", auto_offset_reset="earliest", **opts,
         )
-        await self.consumer.start()
+        # Refused credentials raise KafkaAccessDenied here (and a missing ACL from the first use
+        # of the topic); the run stops, nothing is retried.
+        await start_checked(self.consumer, self.cfg.bootstrap_servers, opts)
         self.producer = AIOKafkaProducer(
             bootstrap_servers=self.cfg.bootstrap_servers, acks="all", enable_idempotence=True,
             linger_ms=5, **opts,

@@ -6,6 +6,15 @@ every scheduled token (model_runner.py) and sampling of the rows that finish the
 detokenize, apply the stop rule (stop_rule.py) -> end what finished (Scheduler.finish_many) and
 build the deltas (outputs.py). Set-up decisions are in sizing.py, benchmark counters in metrics.py.
 
+A step that raises fails only the requests that caused it (fault_isolation.py): a row whose
+take-in raises fails its own request; a launch or take-in that raises for the whole step brings
+the engine back to a consistent state (the step in flight dropped, every running request
+preempted) and the failed step's requests are re-run in smaller groups until the culprit is
+found and failed. Only a failure with no request to blame (the scheduler's own), or one in
+every step (a broken device), propagates.
+When nothing is left to run, a step also frees what the last finished requests held (their rows,
+the scheduler's list naming them), so an idle engine holds no request.
+
 Imports nothing from Kafka, pydantic schemas or boto3: it must run alone on a GPU machine.
 """
 
@@ -18,12 +27,14 @@ from pathlib import Path
 
 from worker.engine.block_manager import BlockManager
 from worker.engine.config import EngineConfig
+from worker.engine.fault_isolation import FaultIsolation, StepFault, blame, describe
 from worker.engine.host_memory import keep_freed_memory
 from worker.engine.metrics import EngineMetrics
 from worker.engine.model_runner import ModelRunner
 from worker.engine.outputs import final_delta, token_delta, token_logprobs
 from worker.engine.overlap import LaunchedStep, Overlap, launch_sampling
 from worker.engine.request import Request, RequestStatus
+from worker.engine.sampler import SampledToken
 from worker.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from worker.engine.sizing import resolve_async_scheduling, resolve_device, resolve_graph_mode, size_kv_cache
 from worker.engine.stop_rule import check_stop, is_stop_token, stop_strings_count
@@ -82,6 +93,9 @@ class Engine:
         self.overlap = Overlap(resolve_async_scheduling(config.async_scheduling, self.device))
         self.requests: dict[str, Request] = {}
         self._finish_next: dict[Request, FinishReason] = {}  # aborts and refusals, ended at the next step
+        # More failed steps in a row than a bisection of a full batch needs: the device is broken.
+        self.faults = FaultIsolation(max_failures_in_a_row=3 + config.max_num_seqs.bit_length())
+        self._convicted: list[RequestDelta] = []  # final deltas of failed requests, out after a step runs
         self._stats = EngineStats(kv_blocks_total=kv.num_blocks)
         self.metrics = EngineMetrics()
         log.info(
@@ -157,30 +171,80 @@ class Engine:
         t_start = time.perf_counter()
         now = time.time()
         deltas = self._end_queued(now)  # aborted or refused since the last step
+        try:
+            passed = self._step(deltas, now, t_start)
+        except StepFault as fault:
+            self._recover(fault)
+            passed = False
+        idle = not self.has_work()
+        if (passed or idle) and self._convicted:
+            # A step ran, so the device works: the failures were the requests' own.
+            deltas += self._convicted
+            self._convicted = []
+        if idle:
+            self._release_idle()
+        return deltas
+
+    def _step(self, deltas: list[RequestDelta], now: float, t_start: float) -> bool:
+        """Take in, schedule, launch, take in; appends the deltas to `deltas` as they come, so a
+        phase that fails later loses none of them. True when it ran requests."""
+        self.scheduler.only = self.faults.admissible()
         overlapped = self.overlap.active
         # A synchronous step first takes in the step the overlapped mode left in flight.
         drained = None if overlapped else self.overlap.drain()
-        deltas += self._take_in(drained)
-        out = self.scheduler.schedule()
-        if out.expired:
-            deltas += [self._ended(r, FinishReason.EXPIRED, now) for r in out.expired]
-        launched = self._launch(out, overlapped)
+        deltas.extend(self._take_in(drained))
+        out = self.scheduler.schedule()  # a failure here has no request to blame: it propagates
+        deltas.extend(self._ended(r, FinishReason.EXPIRED, now) for r in out.expired)
+        with blame("launch", out.requests):
+            launched = self._launch(out, overlapped)
         if overlapped:
             # This step runs while the previous one's tokens come in; only then are the blocks
             # that became full hashed (from real ids, no placeholders).
             previous = self.overlap.swap(launched)
-            deltas += self._take_in(previous)
-            self._step_done(out)
+            deltas.extend(self._take_in(previous))
+            with blame("step end", out.requests):
+                self._step_done(out)
             taken = (previous,)
         else:
-            self._step_done(out)
-            deltas += self._take_in(launched)
+            with blame("step end", out.requests):
+                self._step_done(out)
+            deltas.extend(self._take_in(launched))
             taken = (drained, launched)
+        if self.faults.step_passed(out.requests):
+            self.scheduler.preempt_all()  # a cleared probation group waits for the round's end
         model_s = sum(s.model_seconds() for s in taken if s is not None)
         if launched is None and not out.is_empty:
             model_s += self.runner.last_forward_s  # no row sampled: the forward alone
         self.metrics.record_step(out, time.perf_counter() - t_start, model_s)
-        return deltas
+        return not out.is_empty
+
+    def _recover(self, fault: StepFault) -> None:
+        """A step failed: back to a consistent state, then end the requests the failure convicts
+        (fault_isolation.py). Their final deltas wait for the next step that runs: should every
+        step fail (a broken device), the engine stops before it has failed anyone, and their jobs
+        go to another worker. Raises the step's error when no request is to blame, or then."""
+        log.warning("engine step failed in %s for %d request(s); isolating the cause: %s",
+                    fault.phase, len(fault.suspects), describe(fault.error), exc_info=fault.error)
+        convicted = self.faults.on_fault(fault)
+        self.overlap.drop(self.requests.values())
+        self.scheduler.preempt_all()
+        self.scheduler.finish_many([(req, FinishReason.ERROR) for req in convicted])
+        now = time.time()
+        self._convicted += [self._failed(req, fault.error, now) for req in convicted]
+
+    def _failed(self, req: Request, error: Exception, now: float) -> RequestDelta:
+        """The final delta of a request the engine failed on (ERROR, INTERNAL, the exception in
+        `error`); the caller ends it in the scheduler."""
+        req.set_error(ErrorKind.INTERNAL, f"the engine failed on this request: {describe(error)}")
+        log.error("request %s failed: %s", req.request_id, req.error, exc_info=error)
+        return self._ended(req, FinishReason.ERROR, now)
+
+    def _release_idle(self) -> None:
+        """Nothing left to run: an empty schedule names the last ended requests, and the runner
+        frees their rows; the fault isolation forgets its suspects."""
+        if self.scheduler.num_unreported:
+            self.runner.execute(self.scheduler.schedule())
+        self.faults.reset()
 
     def _end_queued(self, now: float) -> list[RequestDelta]:
         """End the requests aborted or refused since the last step."""
@@ -213,47 +277,63 @@ class Engine:
     def _take_in(self, launched: LaunchedStep | None) -> list[RequestDelta]:
         """Put a launched step's tokens into their requests, apply the stop rule, end the requests
         it finishes; returns the deltas. Rows of requests that ended before their token came in
-        (overlapped steps) are discarded."""
+        (overlapped steps) are discarded; a row whose take-in raises fails its own request."""
         if launched is None:
             return []
-        sampled = launched.host_tokens()
+        with blame("take-in", launched.requests):
+            sampled = launched.host_tokens()
         now = time.time()
-        pending = launched.overlapped
-        eos, max_len = self._eos, self.max_model_len
         deltas: list[RequestDelta] = []
         ended: list[tuple[Request, FinishReason]] = []
+        taken = 0
         for req, s in zip(launched.requests, sampled, strict=True):
             if req.status is RequestStatus.FINISHED:
                 continue  # finished (or aborted) before this token: computed for nothing
             tok = s.token_id
-            if pending:
-                req.resolve_pending(tok, now)
-            else:
-                req.append_output(tok, now)
-            params = req.sampling
-            n_out = len(req.output_token_ids)
-            stop_token = is_stop_token(tok, n_out, params, eos)
-            if stop_token:
-                text, stop_string = "", False  # the stop token adds no text
-            else:
-                text, stop_string = req.detokenizer.add(tok, check_stop=stop_strings_count(n_out, params))
-            reason = check_stop(
-                n_out, req.num_prompt_tokens, params, max_len, stop_token=stop_token, stop_string=stop_string
-            )
-            logprobs = None
-            if params.logprobs is not None:
-                logprobs = token_logprobs(tok, s, self._token_text)
-                req.add_logprobs(logprobs)
+            try:
+                reason, text, logprobs = self._take_token(req, s, launched.overlapped, now)
+            except Exception as exc:  # this request's own failure: it alone ends
+                ended.append((req, FinishReason.ERROR))
+                deltas.append(self._failed(req, exc, now))
+                continue
+            taken += 1
             if reason is None:
                 deltas.append(token_delta(req, tok, text, logprobs))
             else:
-                text += req.detokenizer.flush()  # held-back text (nothing after a stop string)
                 ended.append((req, reason))
                 deltas.append(self._ended(req, reason, now, [tok], text, logprobs))
-        self._stats.generated_tokens_total += len(deltas)
+        self._stats.generated_tokens_total += taken
         if ended:
             self.scheduler.finish_many(ended)
         return deltas
+
+    def _take_token(
+        self, req: Request, s: SampledToken, pending: bool, now: float
+    ) -> tuple[FinishReason | None, str, list[TokenLogprob] | None]:
+        """One row's token into its request: append it (or resolve its placeholder), detokenize,
+        apply the stop rule, record its logprobs; returns (finish reason or None, text, logprobs)."""
+        tok = s.token_id
+        if pending:
+            req.resolve_pending(tok, now)
+        else:
+            req.append_output(tok, now)
+        params = req.sampling
+        n_out = len(req.output_token_ids)
+        stop_token = is_stop_token(tok, n_out, params, self._eos)
+        if stop_token:
+            text, stop_string = "", False  # the stop token adds no text
+        else:
+            text, stop_string = req.detokenizer.add(tok, check_stop=stop_strings_count(n_out, params))
+        reason = check_stop(
+            n_out, req.num_prompt_tokens, params, self.max_model_len, stop_token=stop_token, stop_string=stop_string
+        )
+        logprobs = None
+        if params.logprobs is not None:
+            logprobs = token_logprobs(tok, s, self._token_text)
+            req.add_logprobs(logprobs)
+        if reason is not None:
+            text += req.detokenizer.flush()  # held-back text (nothing after a stop string)
+        return reason, text, logprobs
 
     def _ended(
         self, req: Request, reason: FinishReason, now: float, new_ids: list[int] | None = None, text: str = "",
@@ -262,6 +342,7 @@ class Engine:
         """The engine's part of a request's end: forget it, count it, build its final delta."""
         self.requests.pop(req.request_id, None)
         self.overlap.forget(req)
+        self.faults.forget(req)
         self._stats.cached_prompt_tokens_total += req.num_cached_prompt_tokens
         return final_delta(req, reason, now, new_ids, text, logprobs)
 
@@ -269,6 +350,23 @@ class Engine:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     # ------------------------------------------------------------------ stats
+    def held_state(self) -> dict[str, int]:
+        """What the engine holds for requests, as counts; all 0 when it is idle (every request
+        ended and its end named in a step): a leak shows here."""
+        return {
+            "requests": len(self.requests),
+            "queued_ends": len(self._finish_next),
+            "waiting": self.scheduler.num_waiting,
+            "running": self.scheduler.num_running,
+            "unreported_ends": self.scheduler.num_unreported,
+            "steps_in_flight": int(self.overlap.in_flight is not None),
+            "host_history": len(self.overlap.needs_host_history),
+            "runner_rows": self.runner.num_rows_in_use,
+            "kv_blocks": self.block_manager.num_used_blocks,
+            "suspects": self.faults.num_tracked,
+            "failures_held": len(self._convicted),
+        }
+
     def stats(self) -> EngineStats:
         s = self._stats
         return EngineStats(

@@ -237,6 +237,11 @@ class ModelRunner:
         return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
     # ------------------------------------------------------------------ rows
+    @property
+    def num_rows_in_use(self) -> int:
+        """Block-table rows held by requests (0 once every request's end was named in a step)."""
+        return self._max_num_seqs - len(self._free_rows)
+
     def _release_rows(self, out: SchedulerOutput) -> None:
         """Free the block-table rows of the requests that left the running set since the last step."""
         free = self._free_rows

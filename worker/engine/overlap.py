@@ -19,6 +19,7 @@ keep the engine synchronous while they are in it: the step left in flight is dra
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -154,3 +155,10 @@ class Overlap:
     def drain(self) -> LaunchedStep | None:
         """The step in flight, to be taken in before a synchronous step."""
         return self.swap(None)
+
+    def drop(self, requests: Iterable[Request]) -> None:
+        """After a failed step: forget the step in flight (its tokens were never taken in, so
+        nothing of it was emitted) and take every placeholder out of `requests`."""
+        self.in_flight = None
+        for r in requests:
+            r.drop_pending()

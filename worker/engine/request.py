@@ -137,6 +137,12 @@ class Request:
         if self.first_token_time is None:
             self.first_token_time = now
 
+    def drop_pending(self) -> None:
+        """Take every placeholder out: the step that sampled them failed, their ids never come."""
+        token_ids = self.kv.token_ids
+        del token_ids[self.num_prompt_tokens + len(self.output_token_ids) :]
+        self.sampling_inputs.num_pending_tokens = 0
+
     def add_logprobs(self, records: list[TokenLogprob]) -> None:
         """Keep the logprobs of new output tokens (for the final delta)."""
         self.output_logprobs.extend(records)

@@ -22,6 +22,10 @@ held back nor overtaken by cache-hit order (nothing starves).
 A request ends only through `finish` (or `finish_many`, the same for many requests in one pass over
 the running list): it is taken out of waiting or running, its KV blocks are released, and the next
 SchedulerOutput names it in `finished`, so that the model runner frees its own per-request state.
+
+After a failed step the engine preempts every running request at once (`preempt_all`, named in
+the next output's `preempted`) and, while it looks for the request that caused the failure, lets
+only its suspects in, a group at a time (`only`: the others wait; see fault_isolation.py).
 """
 
 from __future__ import annotations
@@ -91,6 +95,9 @@ class Scheduler:
         self.running: list[Request] = []
         self._num_waiting_with_deadline = 0
         self._finished: list[Request] = []  # ended since the last schedule(): the next output names them
+        self._preempted: list[Request] = []  # preempted by preempt_all: the next output names them
+        # When set, only these waiting requests may be admitted (the engine's fault isolation).
+        self.only: set[Request] | None = None
 
     # ------------------------------------------------------------------ membership
     def add(self, request: Request) -> None:
@@ -125,6 +132,22 @@ class Scheduler:
             self._finished.append(req)
         if left_running:
             self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
+
+    def preempt_all(self) -> list[Request]:
+        """Send every running request back to waiting, as a preemption by recompute (the engine's
+        fault isolation: after a failed step, and when a probation group is cleared): blocks
+        released, computed tokens dropped; the next output names them in `preempted`, so the
+        model runner frees their rows."""
+        victims, self.running = self.running, []
+        for req in victims:
+            self._preempt(req)
+        self._preempted.extend(victims)
+        return victims
+
+    @property
+    def num_unreported(self) -> int:
+        """Ended or preempted requests the next output will name (0 after any schedule())."""
+        return len(self._finished) + len(self._preempted)
 
     @property
     def num_waiting(self) -> int:
@@ -184,6 +207,8 @@ class Scheduler:
             log.debug("preempted %d request(s)", len(out.preempted))
         if self._finished:
             out.finished, self._finished = self._finished, []
+        if self._preempted:
+            out.preempted[:0], self._preempted = self._preempted, []
         return out
 
     def _preempt(self, req: Request) -> None:
@@ -202,7 +227,8 @@ class Scheduler:
         self.waiting.sort(key=_sort_key)
         # A request preempted while its last token was in flight waits until the id is known: its
         # prompt + output cannot be hashed or recomputed before that.
-        window = [r for r in self.waiting[: cfg.admission_window] if not r.has_pending_token]
+        waiting = self.waiting if self.only is None else [r for r in self.waiting if r in self.only]
+        window = [r for r in waiting[: cfg.admission_window] if not r.has_pending_token]
 
         # Longest cached prefix first within a priority class; long-deferred requests go first.
         hits: dict[int, list[int]] = {}

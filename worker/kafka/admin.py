@@ -175,6 +175,50 @@ async def create_topic(
     await ensure_topics(bootstrap, [spec], timeout=timeout, client_options=client_options)
 
 
+async def topic_config_values(
+    bootstrap: str,
+    topics: Iterable[str],
+    key: str,
+    *,
+    timeout: float = 15.0,
+    client_options: Mapping[str, Any] | None = None,
+) -> dict[str, str | None]:
+    """The value of one config ``key`` (e.g. ``max.message.bytes``) of each topic, as the broker
+    applies it (the topic's own setting or the broker's default); None for a topic whose config
+    cannot be read (it does not exist, or the principal may not describe its configs).
+
+    Raises KafkaConnectionError while no broker answers, so a caller can wait for one."""
+    from aiokafka.admin import AIOKafkaAdminClient
+    from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
+    from aiokafka.errors import KafkaConnectionError, KafkaError
+
+    from worker.kafka.security import start_checked
+
+    names = list(dict.fromkeys(topics))
+    values: dict[str, str | None] = dict.fromkeys(names)
+    if not names:
+        return values
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=int(timeout * 1000),
+                                **dict(client_options or {}))
+    try:
+        # Refused credentials raise KafkaAccessDenied (security.py), not a connection error to wait out.
+        await start_checked(admin, bootstrap, dict(client_options or {}))
+        try:
+            responses = await admin.describe_configs(
+                [ConfigResource(ConfigResourceType.TOPIC, name, {key: None}) for name in names])
+        except KafkaConnectionError:
+            raise
+        except KafkaError:
+            return values  # refused as a whole (e.g. no DescribeConfigs permission at all)
+        for response in responses:
+            for error_code, _message, _type, name, entries, *_ in response.resources:
+                if error_code == 0 and name in values:
+                    values[name] = next((entry[1] for entry in entries if entry[0] == key), None)
+    finally:
+        await admin.close()
+    return values
+
+
 async def delete_topics(bootstrap: str, names: Iterable[str], *, timeout: float = 30.0) -> None:
     """Delete topics; a topic that does not exist is not an error."""
     from aiokafka.admin import AIOKafkaAdminClient

@@ -12,23 +12,30 @@ input:
   a failure) is dead-lettered as well, before the error Result. An engine outcome the contract
   cannot express becomes an `internal` error Result, never a dropped answer.
 
+Every Result and dead letter fits its topic's `max.message.bytes` (`AnswerContext.limits`, read
+at start): one that would not is cut down as sizing.py describes (a Result: logprobs dropped,
+then text cut, `truncated: true`; else an error Result `result_too_large`, whose input is
+dead-lettered too). Each record can also shrink itself further should the broker refuse it
+all the same (`OutRecord.shrink`, used by the publisher).
+
 Every record goes through the contract models of `schemas/`, so a worker bug shows up as an
 exception here, not as a malformed record downstream.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from structlog.typing import FilteringBoundLogger
 
 from schemas import Result, Source, TokenEvent
-from schemas.constants import ERROR_INTERNAL, STATUS_EXPIRED, dead_letter_headers
+from schemas.constants import ERROR_INTERNAL, ERROR_RESULT_TOO_LARGE, STATUS_EXPIRED, dead_letter_headers
 from schemas.job import Job
 from worker.engine.types import RequestDelta
 from worker.job_mapping import build_result, error_result, job_to_engine_request, new_attempt_id
 from worker.kafka.publisher import OutRecord
+from worker.kafka.sizing import CUT_DEAD_LETTER_VALUE, TopicLimits, fit_dead_letter, fit_result
 from worker.kafka.types import Answer, Fetched, InFlightJob
 
 __all__ = [
@@ -62,6 +69,7 @@ class AnswerContext:
     results_topic: str
     dlq_topic: str
     dlq_partitions: int = 0  # partitions of the dead-letter topic; 0 while unknown
+    limits: TopicLimits = field(default_factory=TopicLimits)  # the output topics' max.message.bytes
 
 
 def clip(message: str) -> str:
@@ -99,14 +107,36 @@ def token_event(job_id: str, attempt: str, index: int, delta: RequestDelta) -> b
 
 
 def dead_letter(key: bytes | None, value: bytes | None, code: str, message: str, *, dlq_topic: str,
-                source_topic: str, partition: int, offset: int, dlq_partition: int | None) -> OutRecord:
-    """Key and value bytes unchanged; the reason and the source in the contract's headers."""
+                source_topic: str, partition: int, offset: int, dlq_partition: int | None,
+                limit: int | None = None) -> OutRecord:
+    """Key and value bytes unchanged; the reason and the source in the contract's headers. With a
+    limit (the dead-letter topic's max.message.bytes), a value too large is cut (sizing.py)."""
     headers = dead_letter_headers(code, clip(message), topic=source_topic, partition=partition, offset=offset)
-    return OutRecord(dlq_topic, key, value, headers, dlq_partition)
+    whole = OutRecord(dlq_topic, key, value, headers, dlq_partition)
+    return _fitted_dead_letter(whole, limit)
 
 
-def result_record(result: Result, results_topic: str) -> OutRecord:
-    return OutRecord(results_topic, result.job_id.encode(), result.to_json_bytes())
+def _fitted_dead_letter(whole: OutRecord, limit: int | None) -> OutRecord:
+    rec, cut = fit_dead_letter(whole, limit) if limit is not None else (whole, False)
+    rec.cut = CUT_DEAD_LETTER_VALUE if cut else None
+    rec.shrink = lambda refused: _fitted_dead_letter(whole, refused - 1)
+    return rec
+
+
+def result_record(result: Result, results_topic: str, limit: int | None = None) -> OutRecord:
+    """The Result's record. With a limit (the results topic's max.message.bytes) it is cut down
+    to fit (sizing.fit_result); `cut` says how, None when it went whole."""
+    if limit is None:
+        rec = OutRecord(results_topic, result.job_id.encode(), result.to_json_bytes())
+    else:
+        fitted = fit_result(result, limit)
+        rec = OutRecord(results_topic, result.job_id.encode(), fitted.value, cut=fitted.how)
+    rec.shrink = lambda refused: result_record(result, results_topic, refused - 1)
+    return rec
+
+
+def _result_of(rec: OutRecord) -> Result:
+    return Result.model_validate_json(rec.value or b"")
 
 
 def _dead_letter_of(fetched: Fetched, code: str, message: str, ctx: AnswerContext) -> OutRecord:
@@ -114,7 +144,12 @@ def _dead_letter_of(fetched: Fetched, code: str, message: str, ctx: AnswerContex
     return dead_letter(
         fetched.key, fetched.value, code, message, dlq_topic=ctx.dlq_topic, source_topic=tp.topic,
         partition=tp.partition, offset=fetched.offset, dlq_partition=dlq_partition(tp.partition, ctx.dlq_partitions),
+        limit=ctx.limits.of(ctx.dlq_topic),
     )
+
+
+def _result_record(result: Result, ctx: AnswerContext) -> OutRecord:
+    return result_record(result, ctx.results_topic, ctx.limits.of(ctx.results_topic))
 
 
 def rejected(fetched: Fetched, code: str, message: str, *, job_id: str | None, attempt: str,
@@ -126,13 +161,13 @@ def rejected(fetched: Fetched, code: str, message: str, *, job_id: str | None, a
             job_id, code, clip(message), model=ctx.model, worker=ctx.worker, attempt=attempt,
             source=_source(fetched), metadata=metadata,
         )
-        records.append(result_record(result, ctx.results_topic))
+        records.append(_result_record(result, ctx))
     return Answer(fetched, records, "dead_letter", code, log)
 
 
 def expired(fetched: Fetched, job: Job, *, attempt: str, ctx: AnswerContext, log: FilteringBoundLogger) -> Answer:
     result = expired_result(job, model=ctx.model, worker=ctx.worker, attempt=attempt, source=_source(fetched))
-    return Answer(fetched, [result_record(result, ctx.results_topic)], "expired", None, log)
+    return Answer(fetched, [_result_record(result, ctx)], "expired", None, log)
 
 
 def finished(job: InFlightJob, delta: RequestDelta, ctx: AnswerContext) -> Answer:
@@ -145,10 +180,14 @@ def finished(job: InFlightJob, delta: RequestDelta, ctx: AnswerContext) -> Answe
             job.job.job_id, ERROR_INTERNAL, clip(str(exc)), model=ctx.model, worker=ctx.worker,
             attempt=job.attempt, source=source, metadata=job.job.metadata,
         )
-    records = [result_record(result, ctx.results_topic)]
+    rec = _result_record(result, ctx)
+    if rec.cut == ERROR_RESULT_TOO_LARGE:
+        result = _result_of(rec)  # the error Result that replaced it
+    records = [rec]
     if result.error is None:  # "error Results carry an error" is checked by the Result itself
         return Answer(job.fetched, records, result.status, None, job.log)
-    # A job that cannot run here (prompt too long) is dead-lettered like other bad input.
+    # A job that cannot run here (prompt too long), or whose Result the results topic cannot
+    # take, is dead-lettered like other bad input, so it can be run again elsewhere.
     code = result.error.code
     records.insert(0, _dead_letter_of(job.fetched, code, result.error.message, ctx))
     return Answer(job.fetched, records, "error", code, job.log)

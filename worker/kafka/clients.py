@@ -3,13 +3,16 @@
 - the consumer: a group member with manual commits, `read_committed` (so the jobs topic may be
   written transactionally), starting from the beginning when the group committed nothing;
 - the producer: idempotent, acks=all, a short linger, for TokenEvents and at-least-once answers;
-- exactly-once: one transactional producer per input partition (transactions.py).
+- exactly-once: one transactional producer per input partition (transactions.py);
+- the producers' request and batch sizes follow the output topics' `max.message.bytes`, read
+  once at start (`read_topic_limits`; sizing.py says why and how).
 
 The security settings (SSL, SASL) apply to every one of them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
@@ -17,23 +20,47 @@ from aiokafka.errors import KafkaError
 from structlog.typing import FilteringBoundLogger
 
 from worker.config import WorkerSettings
+from worker.kafka.publisher import WorkerProducer
+from worker.kafka.sizing import TopicLimits
 
 
 def _client_kwargs(s: WorkerSettings) -> dict[str, Any]:
     return dict(bootstrap_servers=s.bootstrap_servers, **s.security.aiokafka_kwargs())
 
 
-def _producer_kwargs(s: WorkerSettings) -> dict[str, Any]:
-    return dict(acks="all", enable_idempotence=True, request_timeout_ms=30_000, linger_ms=2,
-                max_batch_size=256 * 1024, **_client_kwargs(s))
+def _producer_kwargs(s: WorkerSettings, limits: TopicLimits | None) -> dict[str, Any]:
+    sizes = (limits or TopicLimits()).producer_kwargs()  # max_request_size, max_batch_size
+    return dict(acks="all", enable_idempotence=True, request_timeout_ms=30_000, linger_ms=2, **sizes,
+                **_client_kwargs(s))
 
 
-def new_producer(s: WorkerSettings) -> AIOKafkaProducer:
-    return AIOKafkaProducer(**_producer_kwargs(s))
+def new_producer(s: WorkerSettings, limits: TopicLimits | None = None,
+                 on_switch: Callable[[str, BaseException | None], None] | None = None) -> WorkerProducer:
+    """The idempotent producer, with its plain stand-in for topics the broker refused a record of
+    (publisher.py says why); on_switch(topic, error) is told when a topic moves over."""
+    kwargs = _producer_kwargs(s, limits)
+    plain = dict(kwargs, enable_idempotence=False)
+    return WorkerProducer(AIOKafkaProducer(**kwargs), lambda: AIOKafkaProducer(**plain), on_switch)
 
 
-def new_transactional_producer(s: WorkerSettings, txn_id: str) -> AIOKafkaProducer:
-    return AIOKafkaProducer(transactional_id=txn_id, transaction_timeout_ms=60_000, **_producer_kwargs(s))
+def new_transactional_producer(s: WorkerSettings, txn_id: str, limits: TopicLimits | None = None) -> AIOKafkaProducer:
+    return AIOKafkaProducer(transactional_id=txn_id, transaction_timeout_ms=60_000, **_producer_kwargs(s, limits))
+
+
+async def read_topic_limits(s: WorkerSettings, log: FilteringBoundLogger) -> TopicLimits:
+    """max.message.bytes of the results, tokens and dead-letter topics; Kafka's default for a
+    topic whose config cannot be read (logged). Raises KafkaConnectionError while no broker
+    answers (the start waits for one)."""
+    from worker.kafka.admin import topic_config_values
+
+    topics = (s.results_topic, s.tokens_topic, s.dlq_topic)
+    values = await topic_config_values(s.bootstrap_servers, topics, "max.message.bytes",
+                                       client_options=s.security.aiokafka_kwargs())
+    limits = TopicLimits({t: int(v) for t, v in values.items() if v is not None and v.isdigit()},
+                         tuple(t for t, v in values.items() if v is None or not v.isdigit()))
+    if limits.unread:
+        log.warning("cannot read max.message.bytes of topics; assuming Kafka's default", topics=list(limits.unread))
+    return limits
 
 
 def new_consumer(s: WorkerSettings) -> AIOKafkaConsumer:
@@ -52,7 +79,7 @@ def new_consumer(s: WorkerSettings) -> AIOKafkaConsumer:
     )
 
 
-async def partition_count(producer: AIOKafkaProducer, topic: str, log: FilteringBoundLogger) -> int:
+async def partition_count(producer: AIOKafkaProducer | WorkerProducer, topic: str, log: FilteringBoundLogger) -> int:
     """How many partitions topic has; 0 when that cannot be read."""
     try:
         parts = await producer.partitions_for(topic)

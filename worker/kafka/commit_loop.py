@@ -7,6 +7,10 @@ only says when, and leaves partitions in a revoke grace to the rebalance, which 
 itself before letting them go. A commit that fails (the broker is away) is tried again on the
 next tick.
 
+The loop is also woken at once (`wake`) when jobs wait to start: their crash attempts must be
+in a committed offset's metadata before they enter the engine (starts.py). After every commit
+round, `on_committed` hands those jobs on. Lag is reported on the interval only.
+
 `tokenmill_commit_lag{topic,partition}` is the number of records between the committed offset
 (the commit point, before the first commit) and the partition's end; a revoked partition's
 series is removed, so a dashboard shows only what this worker owns.
@@ -21,6 +25,7 @@ from dataclasses import dataclass, field
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from structlog.typing import FilteringBoundLogger
 
+from worker.aio import wait_event
 from worker.kafka.delivery import Delivery
 from worker.kafka.offsets import OffsetTracker
 from worker.metrics import WorkerMetrics
@@ -35,16 +40,32 @@ class CommitLoop:
     metrics: WorkerMetrics
     log: FilteringBoundLogger
     describe_fetch: Callable[[], dict]  # for the debug line of each tick
+    on_committed: Callable[[], None] = lambda: None  # after each commit round (starts.py)
     _lag_labels: set[tuple[str, str]] = field(default_factory=set, init=False)
+    _wake: asyncio.Event = field(default_factory=asyncio.Event, init=False)
+
+    def wake(self) -> None:
+        """Commit now, not at the next tick."""
+        self._wake.set()
 
     async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        next_tick = loop.time() + self.interval_s
         while True:
-            await asyncio.sleep(self.interval_s)
+            left = next_tick - loop.time()
+            if left > 0 and not self._wake.is_set():
+                await wait_event(self._wake, left)
+            self._wake.clear()
+            tick = loop.time() >= next_tick
             owned = self.tracker.partitions()
-            self.log.debug("commit tick", partitions=[tp.partition for tp in owned],
-                           in_flight=self.tracker.in_flight(), **self.describe_fetch())
+            if tick:
+                next_tick = loop.time() + self.interval_s
+                self.log.debug("commit tick", partitions=[tp.partition for tp in owned],
+                               in_flight=self.tracker.in_flight(), **self.describe_fetch())
             await self.delivery.commit([tp for tp in owned if not self._revoking(tp)])
-            self.update_lag()
+            self.on_committed()
+            if tick:
+                self.update_lag()
 
     def _revoking(self, tp: TopicPartition) -> bool:
         part = self.tracker.get(tp)

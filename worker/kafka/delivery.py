@@ -27,10 +27,12 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
-from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
+from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError, OffsetMetadataTooLargeError
 from structlog.typing import FilteringBoundLogger
 
-from worker.kafka.offsets import OffsetTracker
+from worker.aio import wait_event
+from worker.kafka.attempts import METADATA_BUDGET
+from worker.kafka.offsets import CommitSnapshot, OffsetTracker
 from worker.kafka.publisher import PublishAbandoned, send_acked
 from worker.kafka.retry import KafkaRetry
 from worker.kafka.transactions import PartitionFenced, PartitionTransactions
@@ -72,11 +74,27 @@ class OffsetDone:
         deadline = time.monotonic() + timeout_s
         while in_flight() and time.monotonic() < deadline and not give_up():
             self._progress.clear()
-            try:
-                await asyncio.wait_for(self._progress.wait(), timeout=min(0.5, max(0.01, deadline - time.monotonic())))
-            except TimeoutError:
-                pass
+            await wait_event(self._progress, min(0.5, max(0.01, deadline - time.monotonic())))
         return in_flight()
+
+
+class MetadataBudget:
+    """How many bytes of offset metadata the attempt counts may take (attempts.py). A broker that
+    refuses a commit's metadata as too large (its offset.metadata.max.bytes is lower than the
+    default) halves it, down to 0: commits without counts, which always go through."""
+
+    def __init__(self, limit: int = METADATA_BUDGET) -> None:
+        self.bytes = limit
+
+    def halve(self, log: FilteringBoundLogger) -> None:
+        self.bytes = self.bytes // 2 if self.bytes > 64 else 0
+        log.error("the broker refused the offset metadata as too large; crash attempt counts now get less room "
+                  "(raise offset.metadata.max.bytes to 4096)", metadata_budget=self.bytes)
+
+    def note_dropped(self, tp: TopicPartition, snap: CommitSnapshot, log: FilteringBoundLogger) -> None:
+        if snap.dropped and self.bytes:  # with no room at all, halve() has said so once
+            log.warning("crash attempt counts over the metadata budget: some left out of the commit",
+                        partition=tp.partition, left_out=snap.dropped, metadata_budget=self.bytes)
 
 
 class Delivery(Protocol):
@@ -103,6 +121,7 @@ class AtLeastOnce:
     next_step: OffsetDone
     log: FilteringBoundLogger
     on_retry: Callable[[BaseException, int], None]  # a send failed and is tried again
+    budget: MetadataBudget = field(default_factory=MetadataBudget)  # for the attempt counts
 
     async def submit(self, answer: Answer) -> None:
         f = answer.fetched
@@ -116,23 +135,26 @@ class AtLeastOnce:
         self.next_step.submit(answer)
 
     async def commit(self, partitions: Iterable[TopicPartition]) -> None:
-        offsets: dict[TopicPartition, int] = {}
+        snapshots = {}
         for tp in partitions:
             part = self.tracker.get(tp)
-            point = part.commit_point() if part is not None and part.needs_commit() else None
-            if point is not None:
-                offsets[tp] = point
-        if not offsets:
+            snap = part.commit_snapshot(self.budget.bytes) if part is not None else None
+            if snap is not None:
+                snapshots[tp] = (part, snap)
+                self.budget.note_dropped(tp, snap, self.log)
+        if not snapshots:
             return
         try:
-            await self.consumer.commit(offsets)
+            await self.consumer.commit({tp: snap.value() for tp, (_, snap) in snapshots.items()})
+        except OffsetMetadataTooLargeError:
+            self.budget.halve(self.log)
+            return
         except (CommitFailedError, IllegalStateError, KafkaError) as exc:
             self.log.warning("offset commit failed; will retry", error=repr(exc))
             return
-        for tp, point in offsets.items():
-            part = self.tracker.get(tp)
-            if part is not None:
-                part.mark_committed(point)
+        for tp, (part, snap) in snapshots.items():
+            if self.tracker.get(tp) is part:  # not re-assigned meanwhile (a new epoch has its own counts)
+                part.mark_committed(snap.offset, snap.version)
 
     async def partition_assigned(self, tp: TopicPartition) -> None:
         pass
@@ -155,6 +177,7 @@ class ExactlyOnce:
     log: FilteringBoundLogger
     retry: KafkaRetry
     on_fenced: Callable[[TopicPartition], None]  # another worker took the partition over
+    budget: MetadataBudget = field(default_factory=MetadataBudget)  # for the attempt counts
     _txns: dict[TopicPartition, PartitionTransactions] = field(default_factory=dict, init=False)
 
     async def submit(self, answer: Answer) -> None:
@@ -170,10 +193,17 @@ class ExactlyOnce:
             txn, part = self._txns.get(tp), self.tracker.get(tp)
             if txn is None or part is None:
                 continue
+            snap = part.commit_snapshot(self.budget.bytes)
+            if snap is None:
+                continue  # the offset and its counts are committed already
+            self.budget.note_dropped(tp, snap, self.log)
             try:
-                await txn.flush(part.commit_point())
-                if txn.last_committed is not None:
-                    part.mark_committed(txn.last_committed)
+                await txn.flush(snap.offset, snap.metadata)
+                if (txn.last_committed, txn.last_metadata) == (snap.offset, snap.metadata) and \
+                        self.tracker.get(tp) is part:
+                    part.mark_committed(snap.offset, snap.version)
+            except OffsetMetadataTooLargeError:
+                self.budget.halve(self.log)
             except PartitionFenced:
                 self.log.warning("partition taken over by another worker; dropping its work", partition=tp.partition)
                 self._txns.pop(tp, None)

@@ -7,9 +7,10 @@ jobs (worker/runtime/engine_thread.py). For a delta of a job still in flight:
    one `finished`), queued on the worker's one ordered token stream.
 2. When the job finishes it leaves inflight.py (its tenant slot goes to the next held job) and,
    in a task of its own: its TokenEvents are confirmed (acknowledged by the broker) first, then
-   answers.finished builds its answer, which goes to delivery. An engine error that makes the
-   input bad after all (prompt too long, token ids outside the vocabulary) is counted once more
-   by the bad-input guard: the guard errs towards stopping, never towards missing.
+   answers.finished builds its answer (cut down where the results topic's size limit requires;
+   counted), which goes to delivery. An engine error that makes the input bad after all (prompt
+   too long, token ids outside the vocabulary) is counted once more by the bad-input guard: the
+   guard errs towards stopping, never towards missing.
 
 Deltas of jobs no longer in flight (aborted: revoked partition, shutdown) are dropped.
 """
@@ -53,8 +54,8 @@ class EngineOutput:
                 continue  # aborted (revoked partition or shutdown)
             if job.job.stream and (delta.new_token_ids or delta.text_delta or delta.finished):
                 payload = answers.token_event(job.job.job_id, job.attempt, job.next_index, delta)
-                job.next_index += 1
-                self.tokens.publish(job.job.job_id, payload, job.token_sink)
+                if self.tokens.publish(job.job.job_id, payload, job.token_sink):
+                    job.next_index += 1  # an event left out for its size takes no index: no gap
             if delta.finished:
                 self.inflight.finish(job)
                 self.spawn(self._finish(job, delta), f"finish-{job.attempt}")
@@ -67,6 +68,7 @@ class EngineOutput:
             except PublishAbandoned:
                 return
         answer = answers.finished(job, delta, self.ctx)
+        self.metrics.count_cuts(answer.records)
         if answer.outcome == "error" and delta.error_kind in _BAD_INPUT_KINDS:
             self.record_input(answer.code)
         if answer.outcome == "ok" and delta.timing is not None:

@@ -15,14 +15,19 @@ and never stops; fetching is throttled with `pause()`/`resume()` instead. For ea
 
 Backpressure pauses every partition while the engine is loaded (waiting requests, held tenant
 jobs counted, or KV cache usage above the high-water mark) and resumes them below the low-water
-marks (backpressure.py's hysteresis).
+marks (backpressure.py's hysteresis). So does an outage (`broker_away`, set by broker_watch.py):
+nothing new is taken while answers cannot be delivered.
+
+After each poll the gauges of assigned and paused partitions and of uncommitted offsets (fetched,
+not yet committed: what another worker would read again if this one died now) are refreshed;
+fetching is the only step that raises the latter, so a scrape never shows less than the truth.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
@@ -32,6 +37,7 @@ from structlog.typing import FilteringBoundLogger
 
 from worker.kafka.backpressure import BackpressureGate
 from worker.kafka.offsets import OffsetTracker
+from worker.kafka.security import access_denied
 from worker.kafka.types import Fetched
 from worker.metrics import HealthState, WorkerMetrics
 
@@ -48,6 +54,9 @@ class Fetcher:
     health: HealthState
     log: FilteringBoundLogger
     span_paused: set[TopicPartition] = field(default_factory=set, init=False)  # until their span halves
+    broker_away: bool = field(default=False, init=False)  # an outage: every partition stays paused
+    # (epoch, first offset tracked in it): the floor of what is uncommitted before the epoch's first commit
+    _epoch_start: dict[TopicPartition, tuple[int, int]] = field(default_factory=dict, init=False)
     first_fetch_at: tuple[float, float] | None = field(default=None, init=False)  # (perf_counter, process_time)
 
     async def run(self) -> None:
@@ -57,6 +66,8 @@ class Fetcher:
             try:
                 batches = await consumer.getmany(timeout_ms=200, max_records=self.max_records)
             except KafkaError as exc:  # e.g. the broker is away: aiokafka reconnects by itself
+                if access_denied(exc) is not None:
+                    raise  # a missing ACL for the group or the topic: the worker stops (exit 77)
                 self.log.warning("fetch failed; retrying", error=repr(exc))
                 await asyncio.sleep(1.0)
                 continue
@@ -82,6 +93,8 @@ class Fetcher:
         if not part.has_room():
             return False
         part.track(rec.offset)
+        if self._epoch_start.get(tp, (None,))[0] != part.epoch:
+            self._epoch_start[tp] = (part.epoch, rec.offset)
         if self.first_fetch_at is None:
             self.first_fetch_at = (time.perf_counter(), time.process_time())
         self.metrics.jobs_in.inc()
@@ -93,16 +106,24 @@ class Fetcher:
         was_paused = self.gate.paused
         return self.gate.update(waiting, kv_usage) != was_paused
 
+    def set_broker_away(self, away: bool) -> None:
+        self.broker_away = away
+        self.update_pausing()
+
     def update_pausing(self) -> None:
-        if self.stopping():
-            return
         consumer = self.consumer
         assigned = consumer.assignment()
+        if not self.stopping():
+            self._pause_or_resume(assigned)
+        self._observe(assigned)
+
+    def _pause_or_resume(self, assigned: set[TopicPartition]) -> None:
+        consumer = self.consumer
         for tp in list(self.span_paused):
             part = self.tracker.get(tp)
             if part is None or part.span() <= part.max_span // 2:
                 self.span_paused.discard(tp)
-        want_paused = set(assigned) if self.gate.paused else set(self.span_paused)
+        want_paused = set(assigned) if self.gate.paused or self.broker_away else set(self.span_paused)
         self.metrics.paused.set(1 if self.gate.paused else 0)
         now_paused = consumer.paused()
         to_pause = [tp for tp in assigned if tp in want_paused and tp not in now_paused]
@@ -118,8 +139,30 @@ class Fetcher:
         if assigned:
             self.consumer.pause(*assigned)
 
+    def _observe(self, assigned: set[TopicPartition]) -> None:
+        self.metrics.partitions_assigned.set(len(assigned))
+        self.metrics.partitions_paused.set(len(self.consumer.paused() & assigned))
+        self.metrics.uncommitted.set(self.uncommitted())
+
+    def uncommitted(self, partitions: Iterable[TopicPartition] | None = None) -> int:
+        """Offsets fetched and not committed, over the partitions (every owned one when None)."""
+        total = 0
+        for tp in self.tracker.partitions() if partitions is None else partitions:
+            part = self.tracker.get(tp)
+            fetched_to = part.next_expected if part is not None else None
+            if part is None or fetched_to is None:
+                continue
+            floor = part.last_committed
+            if floor is None:
+                epoch, first = self._epoch_start.get(tp, (None, fetched_to))
+                floor = first if epoch == part.epoch else fetched_to
+            total += max(0, fetched_to - floor)
+        return total
+
     def forget(self, partitions: set[TopicPartition]) -> None:
         self.span_paused -= partitions
+        for tp in partitions:
+            self._epoch_start.pop(tp, None)
 
     def describe(self) -> dict[str, object]:
         return {"paused": sorted(tp.partition for tp in self.consumer.paused()), "gate_paused": self.gate.paused,

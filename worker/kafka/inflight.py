@@ -1,11 +1,11 @@
-"""The jobs between intake and answer: held by the tenant cap, or running in the engine thread.
+"""The jobs between intake and answer: held (fair admission, tenants.py), or running in the engine thread.
 
 One object owns a job's stay, so that every way out of it releases what the job held, in one
 place: a job leaves when it finishes (`finish`), when its partition is revoked or the worker
 stops (`abandon`: aborted in the engine), or when the engine refuses its sampling values at
-submission (`on_refused`, which answers it as bad input). Whenever a job gives back a tenant
-slot, the tenant's oldest held job takes it and is submitted; a held job that was abandoned
-meanwhile passes the slot on.
+submission (`on_refused`, which answers it as bad input). Whenever a job gives back its place,
+tenants.py names the held job that takes it (the next tenant in turn, under its cap) and it is
+submitted; a held job that was abandoned meanwhile passes the place on.
 """
 
 from __future__ import annotations

@@ -9,8 +9,12 @@ In this order:
 2. Every input is counted by the bad-input guard (good or bad); when most of the recent ones were
    bad, `on_guard_tripped` stops the worker (exit 3) instead of emptying the topic into the
    dead-letter topic.
-3. A `deadline_ms` already past: an `expired` Result, the job never reaches the engine.
-4. Otherwise the job, with a fresh attempt id, goes to inflight.py, where the tenant cap lets it
+3. A job that was in the engine each time a worker died, `max_crash_attempts` times
+   (attempts.py: the counts come with the committed offset), is not run again: a dead letter
+   and an error Result with code `crashed_worker`. It is valid input, so the guard counts it as
+   good.
+4. A `deadline_ms` already past: an `expired` Result, the job never reaches the engine.
+5. Otherwise the job, with a fresh attempt id, goes to inflight.py, where the tenant cap lets it
    run now or holds it in fetch order.
 
 A job the engine refuses at submission (sampling values the schema allowed but the engine does
@@ -25,7 +29,7 @@ from dataclasses import dataclass
 
 from structlog.typing import FilteringBoundLogger
 
-from schemas.constants import ERROR_INVALID_JOB, ERROR_MODEL_MISMATCH
+from schemas.constants import ERROR_CRASHED_WORKER, ERROR_INVALID_JOB, ERROR_MODEL_MISMATCH
 from schemas.decode import decode_job
 from schemas.errors import JobDecodeError
 from schemas.job import Job
@@ -45,6 +49,8 @@ class Intake:
     answer: Callable[[Answer], None]  # the next step of an input answered at once
     on_guard_tripped: Callable[[str], None]  # with the guard's message: the worker stops (exit 3)
     log: FilteringBoundLogger
+    crash_attempts: Callable[[Fetched], int] = lambda fetched: 0  # the record's crash attempts so far
+    max_crash_attempts: int = 0  # 0: never dead-letter for crashes
 
     def take(self, fetched: Fetched) -> None:
         attempt = new_attempt_id(self.ctx.worker)
@@ -59,6 +65,14 @@ class Intake:
             return
         self.record(None)
         log = job_log(self.log, job.job_id, fetched.tp.partition, fetched.offset)
+        crashes = self.crash_attempts(fetched) if self.max_crash_attempts else 0
+        if crashes >= self.max_crash_attempts > 0:
+            message = (f"the job was in flight each time a worker died, {crashes} times "
+                       f"(--max-crash-attempts {self.max_crash_attempts}); it is not run again")
+            log.warning("job of death; dead-lettering", code=ERROR_CRASHED_WORKER, crash_attempts=crashes)
+            self.answer(answers.rejected(fetched, ERROR_CRASHED_WORKER, message, job_id=job.job_id, attempt=attempt,
+                                         metadata=job.metadata, ctx=self.ctx, log=log))
+            return
         if job.deadline_ms is not None and job.deadline_ms <= time.time() * 1000:
             log.info("deadline passed before start; expired")
             self.answer(answers.expired(fetched, job, attempt=attempt, ctx=self.ctx, log=log))

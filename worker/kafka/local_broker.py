@@ -6,6 +6,11 @@ values and exceptions, so tests, the CLI and demos share one implementation.
 
 A node keeps everything in its data directory (config, pid file, log, Kafka's log dir). Starting
 again on the same directory keeps the topics and records.
+
+By default the node is PLAINTEXT without an authorizer. Given a ``SaslSsl`` its client listener is
+SASL_SSL (SCRAM-SHA-512 users created when the storage is formatted, a broker certificate signed
+by a CA of our own, made with keytool by ``make_tls_files``) and every request needs an ACL
+(StandardAuthorizer); worker/kafka/acls.py makes them.
 """
 
 from __future__ import annotations
@@ -13,8 +18,11 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+
+from worker.kafka.security import KafkaSecurity, Secret
 
 # The script lives in the source tree, two levels above this package.
 _DEFAULT_SCRIPT = Path(__file__).resolve().parents[2] / "deploy" / "kafka" / "kafka.sh"
@@ -35,6 +43,33 @@ class BrokerStatus:
     pid: int | None
     port: int | None
     message: str  # the script's one-line summary
+
+
+@dataclass(frozen=True)
+class SaslSsl:
+    """What makes a node's client listener SASL_SSL with ACLs (`kafka.sh start --sasl-ssl`)."""
+
+    tls_dir: Path  # the files of make_tls_files
+    users: Mapping[str, str]  # SCRAM-SHA-512 users, created when the storage is formatted: name -> password
+    super_user: str = "admin"  # one of users; may do anything, and the broker logs in to itself as it
+
+    @property
+    def ca_file(self) -> Path:
+        return Path(self.tls_dir) / "ca.pem"
+
+    def security(self, user: str, password: str | None = None) -> KafkaSecurity:
+        """Client settings for one of the users (``password`` replaces theirs, e.g. to try a wrong one)."""
+        return KafkaSecurity(protocol="SASL_SSL", sasl_mechanism="SCRAM-SHA-512", sasl_username=user,
+                             sasl_password=Secret(self.users[user] if password is None else password),
+                             ssl_cafile=str(self.ca_file))
+
+
+def make_tls_files(tls_dir: str | os.PathLike[str], days: int = 30) -> Path:
+    """A CA and a broker key store signed by it (for 127.0.0.1 and localhost), made with Java's
+    keytool into tls_dir unless they are there already; returns the CA certificate (PEM) that
+    clients trust."""
+    _run_script(["tls", "--dir", str(tls_dir), "--days", str(days)], timeout=300, what="tls")
+    return Path(tls_dir) / "ca.pem"
 
 
 def default_data_dir() -> Path:
@@ -73,6 +108,7 @@ class LocalKafka:
         port: int | None = None,
         data_dir: str | os.PathLike[str] | None = None,
         controller_port: int | None = None,
+        sasl_ssl: SaslSsl | None = None,
     ) -> None:
         for name, value in (("port", port), ("controller_port", controller_port)):
             if value is not None and not 0 < int(value) < 65536:
@@ -80,6 +116,7 @@ class LocalKafka:
         self.port = port
         self.controller_port = controller_port
         self.data_dir = Path(data_dir) if data_dir is not None else default_data_dir()
+        self.sasl_ssl = sasl_ssl
 
     # -- control ---------------------------------------------------------------------------
     def start(
@@ -99,6 +136,8 @@ class LocalKafka:
             args += ["--controller-port", str(self.controller_port)]
         if owner_pid is not None:
             args += ["--owner-pid", str(owner_pid)]
+        if self.sasl_ssl is not None:
+            args += self._sasl_ssl_args(self.sasl_ssl)
         self._run(args, timeout=timeout + 60, what="start")
         recorded = self._recorded_ports()
         self.port = recorded.get("port", self.port)
@@ -158,18 +197,34 @@ class LocalKafka:
                 ports[key] = int(value)
         return ports
 
+    def _sasl_ssl_args(self, sasl_ssl: SaslSsl) -> list[str]:
+        """The start options of a SASL_SSL node; the users go in a file only the owner can read."""
+        if sasl_ssl.super_user not in sasl_ssl.users:
+            raise ValueError(f"the super user {sasl_ssl.super_user!r} must be one of the SCRAM users")
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        users_file = self.data_dir / "scram-users"
+        fd = os.open(users_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.writelines(f"{name}={password}\n" for name, password in sasl_ssl.users.items())
+        return ["--sasl-ssl", str(sasl_ssl.tls_dir), "--scram-users", str(users_file),
+                "--super-user", sasl_ssl.super_user]
+
     def _run(self, args: list[str], timeout: float, what: str) -> str:
-        try:
-            proc = subprocess.run(
-                ["bash", str(kafka_script()), *args],
-                capture_output=True, text=True, timeout=timeout,
-            )
-        except subprocess.TimeoutExpired as exc:
-            raise LocalKafkaError(f"kafka {what} did not finish within {timeout:.0f}s") from exc
-        if proc.returncode != 0:
-            detail = (proc.stderr.strip() or proc.stdout.strip())[-4000:]
-            raise LocalKafkaError(f"kafka {what} failed (exit {proc.returncode}):\n{detail}")
-        return proc.stdout
+        return _run_script(args, timeout, what)
 
     def __repr__(self) -> str:
         return f"LocalKafka(port={self.port}, data_dir={str(self.data_dir)!r})"
+
+
+def _run_script(args: list[str], timeout: float, what: str) -> str:
+    try:
+        proc = subprocess.run(
+            ["bash", str(kafka_script()), *args],
+            capture_output=True, text=True, timeout=timeout,
+        )
+    except subprocess.TimeoutExpired as exc:
+        raise LocalKafkaError(f"kafka {what} did not finish within {timeout:.0f}s") from exc
+    if proc.returncode != 0:
+        detail = (proc.stderr.strip() or proc.stdout.strip())[-4000:]
+        raise LocalKafkaError(f"kafka {what} failed (exit {proc.returncode}):\n{detail}")
+    return proc.stdout

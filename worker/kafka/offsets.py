@@ -14,6 +14,11 @@ because that offset now belongs to a new round of fetching.
 A partition in a rebalance's revoke grace is still owned (its in-flight jobs may finish and their
 offsets complete) but marked `revoking`: nothing new is taken from it and the periodic commit
 leaves it to the rebalance, which commits it once more before letting it go.
+
+Each partition also keeps its crash attempts (attempts.py): the offsets above the commit point
+that are in the engine, or were each time a worker died, with their counts. They travel in the
+commit's metadata, so a commit is due when the point moved or the counts changed
+(`commit_snapshot`); an answered offset's count is forgotten.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ import heapq
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
+
+from worker.kafka.attempts import METADATA_BUDGET, AttemptCounts
 
 K = TypeVar("K", bound=Hashable)  # a partition id (a TopicPartition in the worker)
 
@@ -39,6 +46,7 @@ class PartitionOffsets:
     _start: int | None = None  # where this epoch's fetching begins (committed offset), if known
     last_committed: int | None = None
     revoking: bool = False  # in a rebalance's grace: answers still complete, nothing new is taken
+    attempts: AttemptCounts = field(default_factory=AttemptCounts)  # crash attempts, in the commit's metadata
 
     def expect_from(self, offset: int | None) -> None:
         """The epoch's start position (the committed offset), if known: lower offsets are refused."""
@@ -70,6 +78,7 @@ class PartitionOffsets:
         if offset not in self._pending:
             return False
         self._pending.remove(offset)
+        self.attempts.forget(offset)
         while self._heap and self._heap[0] not in self._pending:
             heapq.heappop(self._heap)
         return True
@@ -100,10 +109,35 @@ class PartitionOffsets:
 
     def needs_commit(self) -> bool:
         point = self.commit_point()
-        return point is not None and point != self.last_committed
+        return point is not None and (point != self.last_committed or self.attempts.changed)
 
-    def mark_committed(self, offset: int) -> None:
+    def commit_snapshot(self, budget: int = METADATA_BUDGET) -> CommitSnapshot | None:
+        """What to commit now (the point, its metadata, the counts' version), None if nothing."""
+        if not self.needs_commit():
+            return None
+        point = self.commit_point()
+        assert point is not None
+        encoded = self.attempts.encode(point, budget)
+        return CommitSnapshot(point, encoded.metadata, self.attempts.version, encoded.dropped)
+
+    def mark_committed(self, offset: int, attempts_version: int | None = None) -> None:
         self.last_committed = offset
+        if attempts_version is not None:
+            self.attempts.mark_committed(attempts_version)
+
+
+@dataclass(frozen=True)
+class CommitSnapshot:
+    """One partition's commit: the offset, the attempt counts' metadata, and their version."""
+
+    offset: int
+    metadata: str
+    version: int
+    dropped: int = 0  # counts left out of the metadata (over the budget)
+
+    def value(self) -> int | tuple[int, str]:
+        """As aiokafka takes it: the offset alone when there is no metadata."""
+        return (self.offset, self.metadata) if self.metadata else self.offset
 
 
 class OffsetTracker(Generic[K]):
@@ -142,6 +176,11 @@ class OffsetTracker(Generic[K]):
         if part is None:
             raise KeyError(f"partition {tp} is not owned")
         part.expect_from(offset)
+
+    def attempts(self, tp: K, epoch: int, offset: int) -> int:
+        """The crash attempts of an offset (0 when not owned under epoch)."""
+        part = self.get(tp, epoch)
+        return part.attempts.count(offset) if part else 0
 
     def owns(self, tp: K, epoch: int) -> bool:
         """Whether work fetched under epoch still counts (the partition was not revoked since)."""

@@ -6,7 +6,8 @@ Assigned (for the jobs topic only):
 1. The delivery mode prepares the partition (exactly-once: initialising its transactional id,
    which aborts what a previous owner left open, so the committed offset read next is final).
 2. The start position is read: the committed offset, or the beginning when nothing was
-   committed (retried while the broker is away).
+   committed (retried while the broker is away); with the offset, its metadata: the crash
+   attempt counts the previous owners committed (attempts.py), which the new epoch starts with.
 3. With no await in between, the consumer seeks there and the tracker starts a new epoch that
    expects offsets from there. aiokafka may hand out records of a new assignment while this
    callback still runs; until the epoch starts they are skipped, so nothing is read twice.
@@ -17,12 +18,14 @@ Revoked (those we own):
    leaves them alone.
 2. Their in-flight jobs get --revoke-grace (--drain-timeout when the worker is stopping) to
    finish and be delivered.
-3. Their watermarks are committed (or their transactions), the rest is aborted in the engine and
-   forgotten: the new owner reads it again from the committed offset. Anything of theirs that
-   completes later carries a stale epoch and is dropped.
+3. The rest is aborted in the engine (a graceful end: those jobs' crash attempts go back to what
+   they were), then their watermarks and counts are committed (or their transactions) and the
+   partitions forgotten: the new owner reads them again from the committed offset. Anything of
+   theirs that completes later carries a stale epoch and is dropped.
 
 `lost` is the same forgetting for a partition taken over without a revoke (exactly-once: another
-worker fenced its transactional id).
+worker fenced its transactional id). Nothing can be committed for it any more, so its jobs that
+were in the engine count one crash attempt with the new owner, as if this worker had died.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from aiokafka.abc import ConsumerRebalanceListener
 from structlog.typing import FilteringBoundLogger
 
 from worker.config import WorkerSettings
+from worker.kafka.attempts import AttemptsFormatError, decode_counts, read_committed
 from worker.kafka.delivery import Delivery, OffsetDone
 from worker.kafka.inflight import InFlight
 from worker.kafka.offsets import OffsetTracker
@@ -59,29 +63,37 @@ class Rebalance(ConsumerRebalanceListener):
 
     async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
         assigned = {tp for tp in assigned if tp.topic == self.settings.jobs_topic}
-        starts: dict[TopicPartition, int] = {}
+        starts: dict[TopicPartition, tuple[int, dict[int, int]]] = {}
         for tp in assigned:
             await self.delivery.partition_assigned(tp)
             starts[tp] = await self._start_position(tp)
         # No await from here on (see the module docstring, step 3).
-        for tp, start in starts.items():
+        for tp, (start, _) in starts.items():
             self.consumer.seek(tp, start)
         epochs = self.tracker.assign(assigned)
-        for tp, start in starts.items():
+        for tp, (start, counts) in starts.items():
             self.tracker.expect_from(tp, start)
+            self.tracker.get(tp).attempts.load(counts)
         if self.stopping() and assigned:
             self.consumer.pause(*assigned)
         self.health.group_joined = True
         self.log.info("partitions assigned", partitions=sorted(tp.partition for tp in assigned),
-                      epochs=list(epochs.values()), start_offsets={tp.partition: o for tp, o in starts.items()})
+                      epochs=list(epochs.values()), start_offsets={tp.partition: o for tp, (o, _) in starts.items()},
+                      crash_attempts={tp.partition: c for tp, (_, c) in starts.items() if c})
 
-    async def _start_position(self, tp: TopicPartition) -> int:
-        """The committed offset, or the beginning when nothing was committed."""
-        committed = await self.retry(partial(self.consumer.committed, tp), "read the committed offset")
+    async def _start_position(self, tp: TopicPartition) -> tuple[int, dict[int, int]]:
+        """The committed offset and its crash attempt counts, or the beginning when nothing was
+        committed."""
+        committed, metadata = await self.retry(partial(read_committed, self.consumer, tp), "read the committed offset")
         if committed is not None:
-            return committed
+            try:
+                return committed, decode_counts(committed, metadata)
+            except AttemptsFormatError as exc:
+                self.log.warning("committed offset metadata unreadable; no crash attempts known",
+                                 partition=tp.partition, error=str(exc))
+                return committed, {}
         beginning = await self.retry(partial(self.consumer.beginning_offsets, [tp]), "read the beginning offset")
-        return beginning[tp]
+        return beginning[tp], {}
 
     async def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
         parts = {tp: part for tp in revoked if (part := self.tracker.get(tp)) is not None}
@@ -92,8 +104,8 @@ class Rebalance(ConsumerRebalanceListener):
             part.revoking = True
         grace = self.settings.drain_timeout_s if self.stopping() else self.settings.revoke_grace_s
         await self.done.settle(owned, grace)
-        await self.delivery.commit(owned)
         abandoned = self.inflight.abandon_where(lambda job: job.fetched.tp in owned)
+        await self.delivery.commit(owned)
         for tp in owned:
             await self.delivery.partition_revoked(tp)
         self.forget(owned)

@@ -1,37 +1,119 @@
-"""Kafka calls a partition assignment cannot do without, retried while the broker is away.
+"""Waiting out a broker that is away: when the worker starts, and for the calls an assignment
+cannot do without. Both wait up to --broker-wait-timeout.
 
-Reading a committed offset or initialising a partition's transactional id happens inside the
-rebalance callback: giving up there would leave the partition unowned, so the call is repeated
-with backoff (up to about two minutes), and only then is the worker stopped.
+- `BrokerWait`: a worker started while no broker answers (a cluster restarting, a pod scheduled
+  before Kafka) does not exit. Starting each client (producer, consumer) is tried again with
+  backoff (0.5 s, doubling, at most 10 s between tries) until it connects, the worker is asked
+  to stop, or the wait timeout has passed since the first try; then `BrokerUnreachable` carries
+  one clear message and the worker exits with its own code. Only a failed connection is waited
+  out: any other error of a start is raised at once.
+- `KafkaRetry`: reading a committed offset or initialising a partition's transactional id
+  happens inside the rebalance callback; giving up there would leave the partition unowned, so
+  the call is repeated with backoff (up to 5 s between tries) until the wait timeout has passed,
+  and only then is the worker stopped. A refusal (a missing ACL) stops it at the first try.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-from aiokafka.errors import KafkaError
+from aiokafka.errors import KafkaConnectionError, KafkaError
 from structlog.typing import FilteringBoundLogger
+
+from worker.aio import wait_event, within
+from worker.kafka.security import KafkaAccessDenied, access_denied
 
 T = TypeVar("T")
 
+DEFAULT_WAIT_S = 300.0
+
+
+class BrokerUnreachable(Exception):
+    """No broker answered within the wait timeout; the message says where and for how long."""
+
+
+class BrokerWait:
+    """Start clients once a broker answers; one deadline for all of them, from the first try."""
+
+    def __init__(self, bootstrap: str, timeout_s: float, stop: asyncio.Event, log: FilteringBoundLogger,
+                 tick: Callable[[], None] = lambda: None, first_delay_s: float = 0.5, max_delay_s: float = 10.0,
+                 try_timeout_s: float = 15.0) -> None:
+        self.bootstrap = bootstrap
+        self.timeout_s = timeout_s
+        self.stop = stop  # set: stop waiting, the worker is shutting down
+        self.log = log
+        self.tick = tick  # the liveness probe's heartbeat: waiting is alive, not stuck
+        self.try_timeout_s = try_timeout_s
+        self.first_delay_s = first_delay_s
+        self.max_delay_s = max_delay_s
+        self._t0: float | None = None
+
+    def waited_s(self) -> float:
+        return 0.0 if self._t0 is None else time.monotonic() - self._t0
+
+    async def start(self, start: Callable[[], Awaitable[None]], what: str) -> bool:
+        """Await start() until it connects: True; False when the worker was stopped first.
+        Raises BrokerUnreachable once the timeout has passed."""
+        if self._t0 is None:
+            self._t0 = time.monotonic()
+        deadline = self._t0 + self.timeout_s
+        delay, attempt = self.first_delay_s, 0
+        while not self.stop.is_set():
+            attempt += 1
+            self.tick()
+            try:
+                # A host that drops packets would hold one try for the client's request timeout.
+                left = deadline - time.monotonic()
+                await within(start(), max(1.0, min(self.try_timeout_s, left)))
+            except (KafkaConnectionError, TimeoutError) as exc:
+                error = repr(exc) if str(exc) else type(exc).__name__
+            else:
+                if attempt > 1:
+                    self.log.info("broker reachable; connected", client=what, waited_s=round(self.waited_s(), 1))
+                return True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise BrokerUnreachable(
+                    f"no Kafka broker answered at {self.bootstrap} within {self.timeout_s:g}s "
+                    f"(--broker-wait-timeout; {attempt} tries of the {what}, last error: {error})")
+            wait = min(delay, left)
+            self.log.warning("no broker reachable yet; waiting", client=what, attempt=attempt, error=error,
+                             retry_in_s=round(wait, 1), waited_s=round(self.waited_s(), 1), timeout_s=self.timeout_s)
+            self.tick()
+            await wait_event(self.stop, wait)
+            delay = min(self.max_delay_s, delay * 2)
+        return False
+
 
 class KafkaRetry:
-    def __init__(self, log: FilteringBoundLogger, give_up: Callable[[str], None], attempts: int = 30) -> None:
+    def __init__(self, log: FilteringBoundLogger, give_up: Callable[[str], None],
+                 timeout_s: float = DEFAULT_WAIT_S, max_delay_s: float = 5.0,
+                 on_denied: Callable[[KafkaAccessDenied], None] | None = None) -> None:
         self.log = log
         self.give_up = give_up  # called with the reason once the last attempt failed
-        self.attempts = attempts
+        # Called instead, at the first try, when the broker refused us (credentials, an ACL).
+        self.on_denied = on_denied or (lambda denied: give_up(str(denied)))
+        self.timeout_s = timeout_s
+        self.max_delay_s = max_delay_s
 
     async def __call__(self, call: Callable[[], Awaitable[T]], what: str) -> T:
-        """Await call() until it succeeds; Kafka errors (a broker away) are retried with backoff."""
-        for attempt in range(1, self.attempts + 1):
+        """Await call() until it succeeds; Kafka errors (a broker away) are retried with backoff
+        until the timeout has passed."""
+        deadline = time.monotonic() + self.timeout_s
+        attempt = 0
+        while True:
+            attempt += 1
             try:
                 return await call()
             except KafkaError as exc:
-                if attempt == self.attempts:
-                    self.give_up(f"cannot {what}: {exc!r}")
+                if (denied := access_denied(exc)) is not None:  # no retry makes an ACL appear
+                    self.on_denied(denied)
+                    raise denied from exc
+                if time.monotonic() >= deadline:
+                    self.give_up(f"cannot {what} within {self.timeout_s:g}s: {exc!r}")
                     raise
                 self.log.warning(f"cannot {what} yet; retrying", error=repr(exc), attempt=attempt)
-                await asyncio.sleep(min(5.0, 0.2 * 2**attempt))
-        raise AssertionError("unreachable")
+                await asyncio.sleep(min(self.max_delay_s, 0.2 * 2**attempt, max(0.0, deadline - time.monotonic())))

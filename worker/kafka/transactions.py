@@ -12,6 +12,10 @@ every answer that a `read_committed` reader can see lies below the committed off
 restarts above it and never answers those jobs again, and an aborted transaction leaves nothing
 visible, so those jobs are answered again exactly once. Token events are not part of this (a
 `read_committed` reader would stall behind a long transaction); they stay at-least-once.
+
+The offset goes into the transaction with its metadata (aiokafka's send_offsets_to_transaction
+takes (offset, metadata) like a plain commit), so the crash attempt counts (attempts.py) travel
+the same way in both delivery modes; a transaction is due when the offset or the metadata moved.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import hashlib
 from collections.abc import Callable
 
 from aiokafka import AIOKafkaProducer, TopicPartition
-from aiokafka.errors import KafkaError, ProducerFenced
+from aiokafka.errors import KafkaError, OffsetMetadataTooLargeError, ProducerFenced
 from structlog.typing import FilteringBoundLogger
 
 from worker.kafka.publisher import OutRecord
@@ -52,6 +56,7 @@ class PartitionTransactions:
         self._producer: AIOKafkaProducer | None = None
         self._ready: dict[int, list[OutRecord]] = {}
         self.last_committed: int | None = None
+        self.last_metadata = ""  # the offset metadata (crash attempt counts) committed with it
         self.log = log.bind(partition=tp.partition, transactional_id=self.txn_id)
         self.transactions = 0
         # The commit task and a rebalance callback may both flush: one transaction at a time.
@@ -69,20 +74,23 @@ class PartitionTransactions:
     def pending(self) -> int:
         return len(self._ready)
 
-    async def flush(self, commit_point: int | None) -> int:
+    async def flush(self, commit_point: int | None, metadata: str = "") -> int:
         async with self._lock:
-            return await self._flush(commit_point)
+            return await self._flush(commit_point, metadata)
 
-    async def _flush(self, commit_point: int | None) -> int:
-        """Publish the answers below commit_point with the offset; returns how many were sent.
+    async def _flush(self, commit_point: int | None, metadata: str) -> int:
+        """Publish the answers below commit_point with the offset and its metadata; returns how
+        many were sent.
 
-        Raises PartitionFenced when another owner took the partition over; on other Kafka errors
-        the transaction is aborted, the producer replaced, and the answers kept for the next try.
+        Raises PartitionFenced when another owner took the partition over, and
+        OffsetMetadataTooLargeError when the broker refuses the metadata (after aborting); on
+        other Kafka errors the transaction is aborted, the producer replaced, and the answers kept
+        for the next try.
         """
         if commit_point is None:
             return 0
         offsets = sorted(o for o in self._ready if o < commit_point)
-        if not offsets and commit_point == self.last_committed:
+        if not offsets and commit_point == self.last_committed and metadata == self.last_metadata:
             return 0
         if self._producer is None:
             await self.start()
@@ -98,7 +106,8 @@ class PartitionTransactions:
                             rec.topic, value=rec.value, key=rec.key, headers=rec.headers, partition=rec.partition
                         )
                     )
-            await producer.send_offsets_to_transaction({self.tp: commit_point}, self.group_id)
+            offset = (commit_point, metadata) if metadata else commit_point
+            await producer.send_offsets_to_transaction({self.tp: offset}, self.group_id)
             await producer.commit_transaction()
             for fut in futures:
                 await fut
@@ -111,12 +120,15 @@ class PartitionTransactions:
                 await producer.abort_transaction()
             except Exception:
                 await self._discard_producer()
-            else:
-                pass
+            # aiokafka's sender may wrap the broker's answer in its own error.
+            for err in (exc, exc.__cause__):
+                if isinstance(err, OffsetMetadataTooLargeError):
+                    raise err from None
             return 0
         for off in offsets:
             del self._ready[off]
         self.last_committed = commit_point
+        self.last_metadata = metadata
         self.transactions += 1
         self.log.debug("transaction committed", answers=len(offsets), committed_offset=commit_point)
         return len(offsets)

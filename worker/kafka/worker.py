@@ -10,12 +10,18 @@ Life of one input record, with the file of each step:
    assignment epoch, unless the partition's in-flight span is full (then it is fetched again).
 2. intake.py: it is decoded. Bad input (not JSON, schema violation, wrong model) is answered at
    once with a dead letter and, when a job_id can be read, an error Result; a deadline already
-   passed with an `expired` Result. The bad-input guard (guard.py) counts every input.
-3. inflight.py: the job waits while its tenant is at its cap (tenants.py), then goes to the
-   engine thread (worker/runtime/engine_thread.py), which hands back deltas once per step.
+   passed with an `expired` Result. The bad-input guard (guard.py) counts every input. A job
+   that was in the engine each time a worker died, --max-crash-attempts times, is answered
+   with `crashed_worker` (attempts.py: the counts travel in the offset commit's metadata).
+3. inflight.py: the job waits for a place in the engine, handed over round-robin across tenants
+   and under each tenant's cap (tenants.py: fair admission), then starts.py counts
+   its crash attempt, has the commit loop commit that count, and only then hands it to the
+   engine thread (worker/runtime/engine_thread.py), which hands back deltas once per step; a
+   suspect (in flight in earlier crashes) runs alone there.
 4. engine_output.py: a streaming job gets one TokenEvent per step (publisher.py's ordered
    stream). When the job finishes, its TokenEvents are confirmed first, then
-5. answers.py builds its answer (pure: the Result, with a dead letter for an engine error), and
+5. answers.py builds its answer (pure: the Result, with a dead letter for an engine error; cut
+   down to the topics' size limits, read at start: sizing.py), and
 6. delivery.py delivers it. At-least-once: once the broker acknowledged every record, the offset
    is complete. Exactly-once: the answer is staged into its partition's transaction
    (transactions.py) and the offset is complete at once.
@@ -26,6 +32,18 @@ Life of one input record, with the file of each step:
 rebalance.py: a revoked partition gets a short grace for its in-flight jobs, its watermark is
 committed, the rest is aborted and left for the new owner; anything of it that completes later
 carries a stale epoch and is dropped.
+
+The broker away: at start, the clients are started once a broker answers, waiting up to
+--broker-wait-timeout (retry.py's BrokerWait; then exit code 5 with the reason). While running,
+broker_watch.py's probe marks the worker not ready and pauses intake during an outage, however
+long; the engine and everything in flight are kept, answers wait in the publisher's retries.
+
+The broker refusing us is not an outage: refused SASL credentials or an untrusted certificate
+(checked before the model loads), or a missing ACL (the four topics are checked once the producer
+is up; a group, topic or transactional id refused later, by the consumer, a fetch, a publish or
+a transaction)
+stop the worker at once with one message and exit code 76 (authentication) or 77 (authorization),
+without retrying (security.py).
 """
 
 from __future__ import annotations
@@ -46,6 +64,7 @@ from worker.engine.types import EngineStats, RequestDelta
 from worker.kafka import clients
 from worker.kafka.answers import AnswerContext
 from worker.kafka.backpressure import BackpressureGate
+from worker.kafka.broker_watch import BrokerWatch
 from worker.kafka.commit_loop import CommitLoop
 from worker.kafka.delivery import AtLeastOnce, Delivery, ExactlyOnce, OffsetDone
 from worker.kafka.engine_output import EngineOutput
@@ -54,9 +73,18 @@ from worker.kafka.guard import BadInputGuard
 from worker.kafka.inflight import InFlight
 from worker.kafka.intake import Intake
 from worker.kafka.offsets import OffsetTracker
-from worker.kafka.publisher import PublishAbandoned, TokenStream
+from worker.kafka.publisher import PublishAbandoned, TokenStream, refusal_of
 from worker.kafka.rebalance import Rebalance
-from worker.kafka.retry import KafkaRetry
+from worker.kafka.retry import BrokerUnreachable, BrokerWait, KafkaRetry
+from worker.kafka.security import (
+    KafkaAccessDenied,
+    access_denied,
+    check_credentials,
+    check_topic_access,
+    start_checked,
+)
+from worker.kafka.sizing import TopicLimits
+from worker.kafka.starts import StartGate
 from worker.kafka.tenants import TenantLimiter
 from worker.kafka.types import Answer, InFlightJob
 from worker.logging import get_logger
@@ -69,6 +97,7 @@ if TYPE_CHECKING:
 EXIT_OK = 0
 EXIT_FATAL = 1
 EXIT_BAD_INPUT = 3
+EXIT_BROKER_UNREACHABLE = 5
 
 
 class KafkaWorker:
@@ -85,6 +114,8 @@ class KafkaWorker:
     fetcher: Fetcher
     commits: CommitLoop
     rebalance: Rebalance
+    starts: StartGate
+    broker_watch: BrokerWatch
 
     def __init__(self, settings: WorkerSettings, engine: Engine | None = None,
                  log: FilteringBoundLogger | None = None) -> None:
@@ -97,10 +128,14 @@ class KafkaWorker:
         self.tracker: OffsetTracker[TopicPartition] = OffsetTracker(settings.max_inflight_per_partition)
         self.gate = BackpressureGate(settings.backpressure)
         self.guard = BadInputGuard(settings.bad_input_ratio, settings.bad_input_window)
-        self.tenants: TenantLimiter[InFlightJob] = TenantLimiter(settings.max_inflight_per_tenant)
+        # Fair admission: a bounded number of jobs in the engine, the rest handed over by tenant in turn.
+        self.tenants: TenantLimiter[InFlightJob] = TenantLimiter(
+            settings.max_inflight_per_tenant, settings.engine_jobs_bound(), priority_of=_job_priority)
+        self.limits = TopicLimits()  # the output topics' max.message.bytes, read at start
         self.done = OffsetDone(self.tracker, self.metrics)
         self.exit_code = EXIT_OK
         self.fatal_error: str | None = None  # why the worker stopped, when it was not asked to
+        self.refused: KafkaAccessDenied | None = None  # the broker refused our credentials or an ACL is missing
         self.metrics_port: int | None = None
         self.served_model_name: str | None = None
         self._stop = asyncio.Event()
@@ -150,13 +185,19 @@ class KafkaWorker:
                       jobs_topic=self.s.jobs_topic, exactly_once=self.s.exactly_once,
                       security=self.s.security.describe())
         try:
+            # Refused credentials or an untrusted certificate show in one round trip: before the
+            # model loads, not after.
+            await check_credentials(self.s.bootstrap_servers, self.s.security.aiokafka_kwargs())
             engine = await self._load_model()
             if not self._stop.is_set():
                 await self._run_kafka(loop, engine)
         except Exception as exc:
-            self.log.exception("worker failed")
-            self.fatal_error = self.fatal_error or repr(exc)
-            self.exit_code = EXIT_FATAL
+            if (denied := access_denied(exc)) is not None:
+                self._denied(denied)
+            else:
+                self.log.exception("worker failed")
+                self.fatal_error = self.fatal_error or repr(exc)
+                self.exit_code = EXIT_FATAL
         finally:
             if self.engine_thread is not None:
                 await asyncio.to_thread(self.engine_thread.stop)
@@ -183,22 +224,36 @@ class KafkaWorker:
 
     async def _run_kafka(self, loop: asyncio.AbstractEventLoop, engine: Engine) -> None:
         s = self.s
-        self.producer = clients.new_producer(s)
-        await self.producer.start()
-        self.tokens = TokenStream(self.producer, s.tokens_topic, on_retry=self._on_publish_retry)
-        self.tokens.start()
-        self.consumer = clients.new_consumer(s)
-        self._assemble(loop, engine)
-        self.consumer.subscribe([s.jobs_topic], listener=self.rebalance)
-        await self.consumer.start()
+        wait = BrokerWait(s.bootstrap_servers, s.broker_wait_timeout_s, self._stop, self.log, tick=self.health.tick)
         try:
+            # The producer's request and batch sizes follow the output topics' limits (sizing.py).
+            if not await wait.start(self._read_limits, "admin client"):
+                return
+            self.producer = clients.new_producer(s, self.limits, on_switch=self._on_plain_producer)
+            start_producer = partial(start_checked, self.producer, s.bootstrap_servers, s.security.aiokafka_kwargs())
+            if not await wait.start(start_producer, "producer"):
+                return  # asked to stop while waiting for the broker
+            # Every topic this principal may not describe, named at once with the ACL it needs.
+            await check_topic_access(self.producer.client, {s.jobs_topic: "READ", s.results_topic: "WRITE",
+                                                            s.tokens_topic: "WRITE", s.dlq_topic: "WRITE"})
+            self.tokens = TokenStream(self.producer, s.tokens_topic, on_retry=self._on_publish_retry,
+                                      max_bytes=self.limits.of(s.tokens_topic), on_dropped=self._on_token_dropped)
+            self.tokens.start()
+            self.consumer = clients.new_consumer(s)
+            self._assemble(loop, engine)
+            self.consumer.subscribe([s.jobs_topic], listener=self.rebalance)
+            if not await wait.start(self.consumer.start, "consumer"):
+                return
             tasks = [self._spawn(self.fetcher.run(), "poll"), self._spawn(self.commits.run(), "commit"),
-                     self._spawn(self._look_up_dlq_partitions(), "dlq-partitions")]
+                     self._spawn(self._look_up_dlq_partitions(), "dlq-partitions"),
+                     self._spawn(self.broker_watch.run(), "broker-watch")]
             await self._stop.wait()
             await self._drain()
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+        except BrokerUnreachable as exc:
+            self._fail(str(exc), EXIT_BROKER_UNREACHABLE)
         finally:
             await self._close_kafka()
 
@@ -206,26 +261,34 @@ class KafkaWorker:
         """The steps of a record's life, each given the next one; the delivery mode is chosen here.
         Ends by starting the engine thread, whose reports feed the steps."""
         s, log, tracker, metrics = self.s, self.log, self.tracker, self.metrics
-        self.ctx = AnswerContext(engine.served_model_name, s.worker_name, s.results_topic, s.dlq_topic)
-        retry = KafkaRetry(log, give_up=self._fail)
+        self.ctx = AnswerContext(engine.served_model_name, s.worker_name, s.results_topic, s.dlq_topic,
+                                 limits=self.limits)
+        retry = KafkaRetry(log, give_up=self._fail, timeout_s=s.broker_wait_timeout_s, on_denied=self._denied)
         if s.exactly_once:
-            self.delivery = ExactlyOnce(s.group_id, partial(clients.new_transactional_producer, s), tracker,
+            self.delivery = ExactlyOnce(s.group_id, partial(clients.new_transactional_producer, s, limits=self.limits),
+                                        tracker,
                                         next_step=self.done, log=log, retry=retry, on_fenced=self._lost)
         else:
             self.delivery = AtLeastOnce(self.producer, self.consumer, tracker, next_step=self.done, log=log,
                                         on_retry=self._on_publish_retry)
         engine_thread = EngineThread(engine, loop, self._on_step, self._on_engine_fatal)
-        self.inflight = InFlight(self.tenants, engine_thread, on_refused=self._refused)
+        # Between the in-flight jobs and the engine: crash attempts written ahead, suspects alone.
+        self.starts = StartGate(engine_thread, tracker, s.max_crash_attempts, wake_commit=self._commit_now, log=log)
+        self.inflight = InFlight(self.tenants, self.starts, on_refused=self._refused)
+        self.starts.lookup = self.inflight.get
         self.intake = Intake(self.ctx, self.guard, admit=self.inflight.admit, answer=self._answer_now,
-                             on_guard_tripped=self._stop_for_bad_input, log=log)
+                             on_guard_tripped=self._stop_for_bad_input, log=log,
+                             crash_attempts=lambda f: tracker.attempts(f.tp, f.epoch, f.offset),
+                             max_crash_attempts=s.max_crash_attempts)
         self.output = EngineOutput(self.inflight, self.tokens, tracker, self.ctx, metrics,
                                    record_input=self.intake.record, deliver=self.delivery.submit, spawn=self._spawn)
         self.fetcher = Fetcher(self.consumer, tracker, self.gate, take=self.intake.take, stopping=self._stop.is_set,
                                max_records=s.fetch_max_records, metrics=metrics, health=self.health, log=log)
         self.commits = CommitLoop(s.commit_interval_s, tracker, self.delivery, self.consumer, metrics, log,
-                                  describe_fetch=self.fetcher.describe)
+                                  describe_fetch=self.fetcher.describe, on_committed=self.starts.after_commit)
         self.rebalance = Rebalance(s, self.consumer, tracker, self.delivery, self.done, self.inflight, retry=retry,
                                    stopping=self._stop.is_set, forget=self._forget, health=self.health, log=log)
+        self.broker_watch = BrokerWatch(self.producer.client.force_metadata_update, self._on_broker_change, log)
         self.engine_thread = engine_thread
         engine_thread.start()
 
@@ -235,26 +298,35 @@ class KafkaWorker:
         self.fetcher.pause_all()
         engine_thread = self.inflight.engine_thread
         # A failed engine finishes nothing more: stop waiting then.
-        left = await self.done.settle(None, self.s.drain_timeout_s, give_up=lambda: not engine_thread.alive)
-        await self.delivery.commit(self.tracker.partitions())
+        # Nor is anything delivered once the broker refused us (credentials, an ACL).
+        left = await self.done.settle(None, self.s.drain_timeout_s,
+                                      give_up=lambda: not engine_thread.alive or self.refused is not None)
         if left:
             self.log.warning("drain timeout: abandoning in-flight jobs (they are redelivered)", abandoned=left)
+        # Abandoned before the last commit, so that it carries their crash attempts as they were.
         self.inflight.abandon_where(lambda job: True)
+        await self.delivery.commit(self.tracker.partitions())
         committed = {f"{tp.topic}:{tp.partition}": offset for tp, offset in self.tracker.last_committed().items()}
-        self.log.info("drained", abandoned=left, committed=committed)
+        # uncommitted: fetched, not committed; the next owner reads it again (a commit that failed)
+        self.log.info("drained", abandoned=left, committed=committed, uncommitted=self.fetcher.uncommitted())
 
     async def _close_kafka(self) -> None:
-        await self.delivery.close()
+        # What was made before a failed or interrupted start is closed; the rest was never there.
+        if hasattr(self, "delivery"):
+            await self.delivery.close()
         try:
-            await self.consumer.stop()  # leaves the group (unless static membership)
+            if hasattr(self, "consumer"):
+                await self.consumer.stop()  # leaves the group (unless static membership)
         except Exception as exc:
             self.log.warning("consumer close failed", error=repr(exc))
         try:
-            await self.tokens.stop()
+            if hasattr(self, "tokens"):
+                await self.tokens.stop()
         except Exception:
             pass
         try:
-            await self.producer.stop()
+            if hasattr(self, "producer"):
+                await self.producer.stop()
         except Exception as exc:
             self.log.warning("producer close failed", error=repr(exc))
 
@@ -269,13 +341,20 @@ class KafkaWorker:
         self.health.tick()
         self.metrics.observe_engine(stats)
         # Held jobs are waiting too, from the point of view of fetching more.
-        gate_moved = self.fetcher.engine_load(stats.waiting + self.tenants.held, stats.kv_usage)
+        waiting = stats.waiting + self.tenants.held + self.starts.held
+        self.metrics.jobs_held.set(self.tenants.held)
+        gate_moved = self.fetcher.engine_load(waiting, stats.kv_usage)
+        self.starts.take(deltas)  # first: a finished job's attempt ends before its tenant slot is passed on
         self.output.take(deltas)
         self.metrics.observe_tokens(new_tokens)
         if gate_moved or self.fetcher.span_paused:
             self.fetcher.update_pausing()
 
+    def _commit_now(self) -> None:
+        self.commits.wake()
+
     def _answer_now(self, answer: Answer) -> None:
+        self.metrics.count_cuts(answer.records)
         f = answer.fetched
         self._spawn(self.delivery.submit(answer), f"answer-{f.tp.partition}-{f.offset}")
 
@@ -286,8 +365,21 @@ class KafkaWorker:
         self.rebalance.lost(tp)
 
     def _forget(self, partitions: set[TopicPartition]) -> None:
+        left = self.fetcher.uncommitted(partitions)
+        if left:  # what the next owner reads again: answered ones among it are answered twice
+            self.log.info("partitions given up", partitions=sorted(tp.partition for tp in partitions), uncommitted=left)
         self.fetcher.forget(partitions)
         self.commits.forget(partitions)
+
+    def _on_broker_change(self, reachable: bool) -> None:
+        self.health.broker_reachable = reachable
+        self.metrics.broker_reachable.set(1 if reachable else 0)
+        self.fetcher.set_broker_away(not reachable)
+
+    def _denied(self, denied: KafkaAccessDenied) -> None:
+        """Refused credentials, an untrusted certificate or a missing ACL: no retry can help."""
+        self.refused = self.refused or denied
+        self._fail(str(denied), denied.exit_code)
 
     def _stop_for_bad_input(self, message: str) -> None:
         self._fail(message, EXIT_BAD_INPUT)
@@ -303,7 +395,9 @@ class KafkaWorker:
         if task.cancelled():
             return
         exc = task.exception()
-        if exc is not None and not isinstance(exc, PublishAbandoned):
+        if exc is not None and (denied := access_denied(exc)) is not None:
+            self._denied(denied)
+        elif exc is not None and not isinstance(exc, PublishAbandoned):
             self.log.error("internal task failed", task=task.get_name(), error=repr(exc), exc_info=exc)
             self._fail(f"internal task {task.get_name()} failed: {exc!r}")
 
@@ -312,5 +406,28 @@ class KafkaWorker:
         self._fail(f"engine failed: {exc!r}")
 
     def _on_publish_retry(self, exc: BaseException, attempt: int) -> None:
-        if attempt == 1 or attempt % 10 == 0:
+        reason = refusal_of(exc)
+        if reason is not None:  # refused for good: cut down and sent again, or the worker stops
+            self.metrics.publish_refused.labels(reason).inc()
+            self.log.warning("the broker refused a record for good", reason=reason, error=repr(exc))
+        elif attempt == 1 or attempt % 10 == 0:
             self.log.warning("publish failed; retrying", error=repr(exc), attempt=attempt)
+
+    def _on_plain_producer(self, topic: str, error: BaseException | None) -> None:
+        self.log.warning("the broker refused a batch: this topic's records now go through a non-idempotent "
+                         "producer (a retry may write one twice)", topic=topic, error=repr(error))
+
+    def _on_token_dropped(self, job_id: str, reason: str, error: BaseException | None) -> None:
+        self.metrics.token_events_dropped.labels(reason).inc()
+        dropped = self.tokens.dropped
+        if dropped == 1 or dropped % 1000 == 0:  # one line per burst, not one per event
+            self.log.warning("TokenEvent dropped; the stream has a gap, the Result is whole", job_id=job_id,
+                             reason=reason, error=repr(error) if error else None, dropped_so_far=dropped)
+
+    async def _read_limits(self) -> None:
+        self.limits = await clients.read_topic_limits(self.s, self.log)
+        self.log.info("output topic size limits", max_message_bytes=self.limits.by_topic)
+
+
+def _job_priority(job: InFlightJob) -> int:
+    return job.job.priority

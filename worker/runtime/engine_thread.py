@@ -9,6 +9,11 @@ backpressure.
 Every bit of Python the event loop runs competes with the engine thread for the interpreter lock,
 so only the deltas the caller needs cross over: finished ones, and every delta of the requests
 submitted with `every_delta=True` (streaming). The others are only counted.
+
+A step that raises for some requests fails only those (the engine finds them, see
+worker/engine/fault_isolation.py): their final deltas say ERROR / INTERNAL with the exception,
+and the loop goes on. Only an exception the engine cannot pin on a request ends the thread,
+through `on_fatal` (the worker stops).
 """
 
 from __future__ import annotations
@@ -72,6 +77,11 @@ class EngineThread:
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
+
+    @property
+    def num_streaming(self) -> int:
+        """Requests in the engine whose every delta is handed back (0 once they all finished)."""
+        return len(self._every_delta)
 
     # -- the engine thread ----------------------------------------------------------------------
     def _post(self, deltas: list[RequestDelta], new_tokens: int = 0) -> None:

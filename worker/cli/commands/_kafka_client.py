@@ -1,5 +1,6 @@
 """Kafka connection and security flags, shared by the worker and the client commands
-(produce, tail, backfill, demo), so every command accepts the same options with the same meaning."""
+(produce, tail, backfill, demo), so every command accepts the same options with the same meaning;
+and how those commands report a broker that refuses them (the same exit codes as the worker)."""
 
 from __future__ import annotations
 
@@ -51,3 +52,21 @@ def kafka_security_from_args(args: argparse.Namespace):
 def kafka_client_kwargs(args: argparse.Namespace) -> dict:
     """aiokafka keyword arguments from the flags; ValueError names every bad combination."""
     return kafka_security_from_args(args).aiokafka_kwargs()
+
+
+def client_error_exit(prog: str, exc: Exception, *, bad_input: tuple[type[Exception], ...] = ()) -> int:
+    """For a command's handler, on any exception: print one line and return the exit code when
+    the broker refused the credentials or an ACL is missing (76 authentication, 77 authorization;
+    worker/kafka/security.py), or when exc is one of ``bad_input`` (2); re-raise anything else."""
+    import sys
+
+    from worker.kafka.security import access_denied
+
+    if isinstance(exc, bad_input):
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 2
+    denied = access_denied(exc)
+    if denied is None:
+        raise exc
+    print(f"{prog}: {denied}", file=sys.stderr)
+    return denied.exit_code

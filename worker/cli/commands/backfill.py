@@ -2,7 +2,8 @@
 
 One Job per dataset row; results are collected, deduplicated by job_id and written as one output row
 per input row, in input order. Rerun the same command after an interruption: only rows without a
-result are submitted again.
+result are submitted again. With --engine kafka, a broker that refuses the credentials exits 76, a
+missing ACL 77.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import argparse
 import json
 import sys
 
-from worker.cli.commands._kafka_client import add_kafka_client_args, kafka_client_kwargs
+from worker.cli.commands._kafka_client import add_kafka_client_args, client_error_exit, kafka_client_kwargs
 from worker.cli.engine_options import add_engine_options, engine_kwargs, positive_int
 
 # --model is the served name or the checkpoint; --seed is the jobs' sampling seed.
@@ -127,6 +128,8 @@ def handle(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError, DatasetError) as exc:
         print(f"tokenmill backfill: {exc}", file=sys.stderr)
         return 2
+    except Exception as exc:  # refused credentials or a missing ACL: 76 / 77 (the state is kept)
+        return client_error_exit("tokenmill backfill", exc)
     print(summary.render(), file=sys.stderr)
     if args.summary_json:
         with open(args.summary_json, "w") as f:

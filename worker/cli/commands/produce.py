@@ -2,7 +2,8 @@
 
 Each line is a Job or an OpenAI batch line (custom_id + body; custom_id becomes the job_id). Invalid
 lines are reported with their line numbers and skipped (exit code 1), or stop the run with --strict
-(exit code 2; for a file, nothing is sent).
+(exit code 2; for a file, nothing is sent). A broker that refuses the credentials exits 76, a
+missing ACL (WRITE on the jobs topic) 77.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from worker.cli.commands._kafka_client import add_kafka_client_args, kafka_client_kwargs
+from worker.cli.commands._kafka_client import add_kafka_client_args, client_error_exit, kafka_client_kwargs
 
 HELP = "send Jobs (or OpenAI batch lines) from a JSONL file or stdin to the jobs topic"
 
@@ -70,9 +71,8 @@ def handle(args: argparse.Namespace) -> int:
     except ProduceAborted as exc:
         print(f"tokenmill produce: stopped at {exc} (--strict)", file=sys.stderr)
         return 2
-    except ValueError as exc:
-        print(f"tokenmill produce: {exc}", file=sys.stderr)
-        return 2
+    except Exception as exc:  # bad input: 2; refused credentials or a missing ACL: 76 / 77
+        return client_error_exit("tokenmill produce", exc, bad_input=(ValueError,))
     finally:
         if stream is not sys.stdin.buffer:
             stream.close()

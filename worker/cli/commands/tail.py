@@ -1,15 +1,15 @@
 """`tokenmill tail`: follow Results, or reassembled token streams.
 
 Prints Results as they arrive (human-readable, or --json for JSON lines). With --tokens, reassembles
-each job's TokenEvents; a new attempt of a job restarts its text.
+each job's TokenEvents; a new attempt of a job restarts its text. A broker that refuses the
+credentials exits 76, a missing ACL (READ on the topic) 77.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 
-from worker.cli.commands._kafka_client import add_kafka_client_args, kafka_client_kwargs
+from worker.cli.commands._kafka_client import add_kafka_client_args, client_error_exit, kafka_client_kwargs
 
 HELP = "follow Results (or, with --tokens, token streams reassembled per job)"
 
@@ -42,7 +42,6 @@ def handle(args: argparse.Namespace) -> int:
         )
     except KeyboardInterrupt:
         return 0
-    except ValueError as exc:
-        print(f"tokenmill tail: {exc}", file=sys.stderr)
-        return 2
+    except Exception as exc:  # bad flags or topic: 2; refused credentials or a missing ACL: 76 / 77
+        return client_error_exit("tokenmill tail", exc, bad_input=(ValueError,))
     return 0

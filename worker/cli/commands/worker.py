@@ -35,6 +35,8 @@ def register(subparsers) -> None:
     k.add_argument("--worker-name", default=None, help="name in Results and attempt ids (default host-pid)")
     k.add_argument("--session-timeout-ms", type=positive_int, default=10_000)
     k.add_argument("--commit-interval", type=float, default=1.0, help="seconds between watermark commits")
+    k.add_argument("--broker-wait-timeout", type=non_negative_float, default=300.0,
+                   help="seconds to wait for a broker at start before exiting (code 5; default 300)")
 
     d = p.add_argument_group("Delivery")
     d.add_argument("--drain-timeout", type=non_negative_float, default=30.0,
@@ -45,6 +47,12 @@ def register(subparsers) -> None:
                    help="cap on offsets between a partition's commit point and its fetch position")
     d.add_argument("--max-inflight-per-tenant", type=int, default=0,
                    help="jobs of one tenant running at once (0 = no cap)")
+    d.add_argument("--max-engine-jobs", type=int, default=None,
+                   help="jobs in the engine at once; the rest wait in the worker and go in round-robin across "
+                        "tenants (default 2 x --max-num-seqs; 0 = no bound)")
+    d.add_argument("--max-crash-attempts", type=int, default=3,
+                   help="dead-letter a job (crashed_worker) that was in flight this many times when a worker died "
+                        "(0 = off; default 3)")
     d.add_argument("--bad-input-ratio", type=float, default=0.9,
                    help="stop the worker when this share of the last --bad-input-window inputs was bad")
     d.add_argument("--bad-input-window", type=positive_int, default=200)
@@ -91,10 +99,13 @@ def settings_from_args(args):
         drain_timeout_s=args.drain_timeout,
         revoke_grace_s=args.revoke_grace,
         commit_interval_s=args.commit_interval,
+        broker_wait_timeout_s=args.broker_wait_timeout,
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,
         max_inflight_per_partition=args.max_inflight_per_partition,
         max_inflight_per_tenant=args.max_inflight_per_tenant,
+        max_engine_jobs=args.max_engine_jobs,
+        max_crash_attempts=args.max_crash_attempts,
         bad_input_ratio=args.bad_input_ratio,
         bad_input_window=args.bad_input_window,
         session_timeout_ms=args.session_timeout_ms,

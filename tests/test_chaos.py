@@ -1,0 +1,64 @@
+"""`tokenmill chaos`: its pieces without a broker, its argument checks, and one short `kill` run
+through the command line against the session's broker."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.worker_helpers import REPO
+from tools.chaos.fleet import parse_metrics
+from tools.chaos.scenarios import ChaosConfig, ChaosReport, storm_sizes
+
+
+def test_a_storm_schedule_moves_one_worker_per_step():
+    assert storm_sizes((1, 4, 1, 3)) == [1, 2, 3, 4, 3, 2, 1, 2, 3]
+    assert storm_sizes((2, 2, 1)) == [2, 1]
+
+
+def test_scenarios_that_restart_the_broker_refuse_a_given_one():
+    with pytest.raises(ValueError, match="needs one it starts itself"):
+        ChaosConfig("outage", bootstrap="kafka:9092").validate()
+    with pytest.raises(ValueError, match="unknown scenario"):
+        ChaosConfig("flood").validate()
+    ChaosConfig("kill", bootstrap="kafka:9092").validate()
+
+
+def test_metrics_text_is_read_with_labels():
+    text = ('# HELP x\ntokenmill_uncommitted_offsets 12.0\n'
+            'tokenmill_commit_lag{partition="3",topic="jobs"} 0.0\n')
+    assert parse_metrics(text) == [("tokenmill_uncommitted_offsets", {}, 12.0),
+                                   ("tokenmill_commit_lag", {"partition": "3", "topic": "jobs"}, 0.0)]
+
+
+def test_the_report_says_what_was_lost_and_what_bounds_the_duplicates():
+    report = ChaosReport("kill", 10, lost=1, duplicated=3, not_ok=0, drain_s=None, commit_lag=2,
+                         duplicate_bound=7, duplicate_bound_departed=5, first_result_s=0.4)
+    text = report.format()
+    assert not report.ok and "JOBS LOST" in text and "3 (bound 7" in text and "drain" in text
+    assert json.loads(json.dumps(report.to_json()))["duplicate_bound"] == 7
+
+
+def _chaos(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "worker.cli", "chaos", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_the_command_refuses_an_outage_on_a_broker_it_did_not_start():
+    proc = _chaos("outage", "--bootstrap-servers", "127.0.0.1:1", timeout=60)
+    assert proc.returncode == 2 and "leave out --bootstrap-servers" in proc.stderr
+
+
+@pytest.mark.kafka
+@pytest.mark.slow
+def test_a_short_kill_run_through_the_command_line_loses_nothing(kafka_bootstrap, tiny_llama_dir, tmp_path):
+    out = tmp_path / "report.json"
+    proc = _chaos("kill", "--jobs", "400", "--workers", "2", "--kills", "1", "--max-tokens", "16",
+                  "--bootstrap-servers", kafka_bootstrap, "--model", str(tiny_llama_dir), "--json", str(out),
+                  "--drain-timeout", "120")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(out.read_text())
+    assert report["lost"] == 0 and report["commit_lag"] == 0 and report["unexpected_exits"] == []
+    assert len(report["details"]["kills"]) == 1 and report["duplicated"] <= report["duplicate_bound"]
+    assert "chaos kill: 400 jobs -> OK" in proc.stdout and "duplicated" in proc.stdout
