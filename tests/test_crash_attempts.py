@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from schemas.decode import decode_job
+from tests.worker_helpers import FakeEngineThread
 from worker.engine.types import FinishReason, RequestDelta, Usage
 from worker.kafka.answers import AnswerContext
 from worker.kafka.attempts import (
@@ -110,20 +111,6 @@ def test_a_clean_or_graceful_end_gives_the_previous_count_back_and_an_answer_for
 
 
 # -- the start gate ---------------------------------------------------------------------------
-class FakeEngineThread:
-    alive = True
-
-    def __init__(self) -> None:
-        self.submitted: list[str] = []
-        self.aborted: list[str] = []
-
-    def submit(self, request, every_delta: bool = False) -> None:
-        self.submitted.append(request.request_id)
-
-    def abort(self, request_id: str) -> None:
-        self.aborted.append(request_id)
-
-
 class Harness:
     """InFlight -> StartGate -> a fake engine thread, on a tracker owning TP; `commit()` plays the
     commit loop (every partition's counts committed, then after_commit)."""

@@ -15,6 +15,7 @@ from aiokafka import TopicPartition
 from aiokafka.errors import KafkaConnectionError, ProducerFenced
 
 from schemas.decode import decode_job
+from tests.worker_helpers import FakeEngineThread
 from worker.engine.types import ErrorKind, FinishReason, RequestDelta, Timing, Usage
 from worker.kafka import answers
 from worker.kafka.answers import AnswerContext
@@ -161,20 +162,6 @@ def test_intake_trips_the_guard_when_most_inputs_are_bad():
 
 
 # -- in-flight jobs and the tenant cap ---------------------------------------------------------
-class FakeEngineThread:
-    alive = True
-
-    def __init__(self) -> None:
-        self.submitted: list[str] = []
-        self.aborted: list[str] = []
-
-    def submit(self, request, every_delta: bool = False) -> None:
-        self.submitted.append(request.request_id)
-
-    def abort(self, request_id: str) -> None:
-        self.aborted.append(request_id)
-
-
 def _inflight(cap: int):
     thread, refused = FakeEngineThread(), []
     inflight = InFlight(TenantLimiter(cap), thread, on_refused=lambda job, why: refused.append((job, why)))

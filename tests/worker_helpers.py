@@ -206,3 +206,19 @@ def stop_process(proc: subprocess.Popen, sig=signal.SIGTERM, timeout: float = 60
     except subprocess.TimeoutExpired:
         proc.kill()
         return proc.wait(10)
+
+
+class FakeEngineThread:
+    """Stands in for the engine thread in unit tests of the worker's steps: records what it is asked."""
+
+    alive = True
+
+    def __init__(self) -> None:
+        self.submitted: list[str] = []
+        self.aborted: list[str] = []
+
+    def submit(self, request, every_delta: bool = False) -> None:
+        self.submitted.append(request.request_id)
+
+    def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
