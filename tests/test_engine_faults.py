@@ -109,12 +109,12 @@ def inject(engine: Engine, monkeypatch, where: str, culprit: str) -> list[int]:
     else:
         original_sample = engine.sampler.sample_ids
 
-        def sample_ids(logits, inputs):
+        def sample_ids(logits, inputs, token_mask=None):
             target = engine.requests.get(culprit)
             if target is not None and any(inp is target.sampling_inputs for inp in inputs):
                 raised.append(len(inputs))
                 raise ValueError("injected fault in sampling")
-            return original_sample(logits, inputs)
+            return original_sample(logits, inputs, token_mask)
 
         monkeypatch.setattr(engine.sampler, "sample_ids", sample_ids)
     return raised

@@ -25,6 +25,7 @@ from worker.engine.types import EngineStats, Timing
 
 _LATENCY_BUCKETS_MS = (5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000, 60000, 120000)
 _TPOT_BUCKETS_MS = (1, 2, 5, 10, 20, 35, 50, 75, 100, 150, 250, 500, 1000, 2500)
+_CONSTRAINT_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
 
 class WorkerMetrics:
@@ -90,6 +91,15 @@ class WorkerMetrics:
         self.jobs_held = Gauge(
             "tokenmill_jobs_held", "Jobs fetched and waiting in the worker for a place in the engine", registry=r
         )
+        # Structured output (constraint failures are counted in jobs_error{code="invalid_constraint"}).
+        self.constraint_compile = Histogram(
+            "tokenmill_constraint_compile_seconds", "Compile time of each structured_outputs constraint "
+            "(cache hits are not compiles)", buckets=_CONSTRAINT_BUCKETS_S, registry=r,
+        )
+        self.constraint_mask = Histogram(
+            "tokenmill_constraint_mask_seconds", "Token-mask fill + apply time of each step with constrained rows",
+            buckets=_CONSTRAINT_BUCKETS_S, registry=r,
+        )
         self._tok_window: list[tuple[float, int]] = []
 
     def count_cuts(self, records) -> None:
@@ -113,6 +123,10 @@ class WorkerMetrics:
         self.waiting.set(stats.waiting)
         self.kv_usage.set(stats.kv_usage)
         self.prefix_hit_rate.set(stats.prefix_hit_rate)
+        for seconds in stats.compile_s:
+            self.constraint_compile.observe(seconds)
+        for seconds in stats.mask_s:
+            self.constraint_mask.observe(seconds)
 
     def observe_latency(self, timing: Timing, output_tokens: int) -> None:
         """Time to first token, and time per output token after the first, of one ok job."""

@@ -50,6 +50,12 @@ class EngineConfig:
     async_scheduling: str = setting("auto", choices=("auto", "on", "off"),
                                     help="prepare step N+1 while step N runs on the GPU (auto: on for CUDA)")
 
+    structured_compile_timeout_s: float = setting(
+        5.0, above=0, finite=True,
+        help="a structured_outputs constraint not compiled within this many seconds fails its job (invalid_constraint)",
+    )
+    structured_compile_threads: int = setting(2, minimum=1, help="threads compiling structured_outputs constraints")
+
     def __post_init__(self) -> None:
         problems = problems_of(self, fields(self))
         if problems:

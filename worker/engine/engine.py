@@ -15,6 +15,10 @@ every step (a broken device), propagates.
 When nothing is left to run, a step also frees what the last finished requests held (their rows,
 the scheduler's list naming them), so an idle engine holds no request.
 
+A request with a constraint (structured output) waits outside the scheduler until its compile
+is done (structured/constraints.py), then runs like any other; its sampling row is masked, and
+each token it takes advances its matcher; a complete grammar finishes it with STOP.
+
 Imports nothing from Kafka, pydantic schemas or boto3: it must run alone on a GPU machine.
 """
 
@@ -38,6 +42,7 @@ from worker.engine.sampler import SampledToken
 from worker.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from worker.engine.sizing import resolve_async_scheduling, resolve_device, resolve_graph_mode, size_kv_cache
 from worker.engine.stop_rule import check_stop, is_stop_token, stop_strings_count
+from worker.engine.structured.constraints import Constraints
 from worker.engine.types import (
     EngineRequest,
     EngineStats,
@@ -48,6 +53,9 @@ from worker.engine.types import (
 )
 
 log = logging.getLogger(__name__)
+
+# How long an engine with nothing to run but compiles in progress blocks in one step.
+COMPILE_WAIT_S = 0.05
 
 
 class Engine:
@@ -98,6 +106,10 @@ class Engine:
         self._convicted: list[RequestDelta] = []  # final deltas of failed requests, out after a step runs
         self._stats = EngineStats(kv_blocks_total=kv.num_blocks)
         self.metrics = EngineMetrics()
+        self.constraints = Constraints(
+            self.tokenizer, mc.vocab_size, self.eos_token_ids, timeout_s=config.structured_compile_timeout_s,
+            threads=config.structured_compile_threads, max_rows=config.max_num_seqs, metrics=self.metrics,
+        )
         log.info(
             "engine ready: model=%s device=%s dtype=%s kv_blocks=%d (block %d, %.2f GiB) max_model_len=%d "
             "cuda_graphs=%s async_scheduling=%s",
@@ -154,6 +166,9 @@ class Engine:
             req.set_error(ErrorKind.PROMPT_TOO_LONG, message)
             self._finish_next[req] = FinishReason.ERROR
             return
+        if req.sampling.structured_outputs is not None:
+            self.constraints.add(req)  # to the scheduler once its constraint has compiled
+            return
         self.scheduler.add(req)
 
     def abort(self, request_id: str) -> None:
@@ -163,14 +178,18 @@ class Engine:
             self._finish_next[req] = FinishReason.ABORTED
 
     def has_work(self) -> bool:
+        return self._has_runnable_work() or bool(self.constraints.num_waiting)
+
+    def _has_runnable_work(self) -> bool:
         return bool(self._finish_next) or self.scheduler.has_work() or self.overlap.in_flight is not None
 
     # ------------------------------------------------------------------ one step
     def step(self) -> list[RequestDelta]:
         """One step; returns the deltas it produced, in the order they came."""
         t_start = time.perf_counter()
+        self._admit_constrained()
         now = time.time()
-        deltas = self._end_queued(now)  # aborted or refused since the last step
+        deltas = self._end_queued(now)  # aborted, refused or not compiled since the last step
         try:
             passed = self._step(deltas, now, t_start)
         except StepFault as fault:
@@ -246,6 +265,22 @@ class Engine:
             self.runner.execute(self.scheduler.schedule())
         self.faults.reset()
 
+    def _admit_constrained(self) -> None:
+        """Requests whose constraint compiled go to the scheduler; those whose constraint failed
+        end at this step. With nothing else to run, wait a little for a compile first."""
+        constraints = self.constraints
+        if not constraints.num_waiting:
+            return
+        if not self._has_runnable_work():
+            constraints.wait(COMPILE_WAIT_S)
+        ready, failed = constraints.poll()
+        for req in ready:
+            self.scheduler.add(req)
+        for req, reason in failed:
+            req.set_error(ErrorKind.INVALID_CONSTRAINT, reason)
+            self._finish_next.setdefault(req, FinishReason.ERROR)
+            self.metrics.constraint_failures += 1
+
     def _end_queued(self, now: float) -> list[RequestDelta]:
         """End the requests aborted or refused since the last step."""
         if not self._finish_next:
@@ -257,6 +292,8 @@ class Engine:
     def _launch(self, out: SchedulerOutput, overlapped: bool) -> LaunchedStep | None:
         """Forward + sampling of a scheduled step; None when nothing ran or no row samples."""
         runner = self.runner
+        # Constrained rows get their masks filled on other threads while the forward runs.
+        token_mask = None if overlapped else self.constraints.start_step(out)
         logits, step_in = runner.execute(out, self.overlap.pending if overlapped else None)
         if step_in is None:
             return None
@@ -265,7 +302,7 @@ class Engine:
             return None
         return launch_sampling(
             self.sampler, logits, step_in.sample_requests, forward_start=runner.forward_start,
-            forward_s=runner.last_forward_s, overlapped=overlapped,
+            forward_s=runner.last_forward_s, overlapped=overlapped, token_mask=token_mask,
         )
 
     def _step_done(self, out: SchedulerOutput) -> None:
@@ -317,6 +354,8 @@ class Engine:
             req.resolve_pending(tok, now)
         else:
             req.append_output(tok, now)
+        if req.matcher is not None:
+            self.constraints.accept(req, tok)
         params = req.sampling
         n_out = len(req.output_token_ids)
         stop_token = is_stop_token(tok, n_out, params, self._eos)
@@ -327,6 +366,8 @@ class Engine:
         reason = check_stop(
             n_out, req.num_prompt_tokens, params, self.max_model_len, stop_token=stop_token, stop_string=stop_string
         )
+        if req.matcher is not None and reason is not FinishReason.STOP and self.constraints.finished(req):
+            reason = FinishReason.STOP  # the grammar is complete: nothing more may follow
         logprobs = None
         if params.logprobs is not None:
             logprobs = token_logprobs(tok, s, self._token_text)
@@ -342,6 +383,7 @@ class Engine:
         """The engine's part of a request's end: forget it, count it, build its final delta."""
         self.requests.pop(req.request_id, None)
         self.overlap.forget(req)
+        self.constraints.forget(req)
         self.faults.forget(req)
         self._stats.cached_prompt_tokens_total += req.num_cached_prompt_tokens
         return final_delta(req, reason, now, new_ids, text, logprobs)
@@ -356,6 +398,7 @@ class Engine:
         return {
             "requests": len(self.requests),
             "queued_ends": len(self._finish_next),
+            "compiling": self.constraints.num_waiting,
             "waiting": self.scheduler.num_waiting,
             "running": self.scheduler.num_running,
             "unreported_ends": self.scheduler.num_unreported,
@@ -367,8 +410,11 @@ class Engine:
             "failures_held": len(self._convicted),
         }
 
-    def stats(self) -> EngineStats:
+    def stats(self, drain_observations: bool = False) -> EngineStats:
+        """A snapshot; with `drain_observations` it also carries (and forgets) the structured-output
+        timings observed since the last drain (EngineMetrics.drain_structured)."""
         s = self._stats
+        compile_s, mask_s = self.metrics.drain_structured() if drain_observations else ([], [])
         return EngineStats(
             running=self.scheduler.num_running,
             waiting=self.scheduler.num_waiting,
@@ -378,6 +424,8 @@ class Engine:
             cached_prompt_tokens_total=s.cached_prompt_tokens_total,
             generated_tokens_total=s.generated_tokens_total,
             steps=s.steps,
+            compile_s=compile_s,
+            mask_s=mask_s,
         )
 
     # ------------------------------------------------------------------ blocking helper

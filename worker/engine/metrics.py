@@ -30,6 +30,20 @@ class EngineMetrics:
     peak_step_wall_s: float = 0.0
     peak_step_model_s: float = 0.0  # forward + LM head + sampling
     last_step: dict = field(default_factory=dict)  # seqs, tokens, wall_s, model_s of the last step
+    # Structured output (worker/engine/structured/): one entry per compile that ran (cache hits
+    # are not compiles), one per step with constrained rows (bitmask fill + apply, host seconds,
+    # with the rows it masked), and the requests failed for a constraint that did not compile.
+    compile_s: list[float] = field(default_factory=list)
+    mask_s: list[float] = field(default_factory=list)
+    mask_rows: list[int] = field(default_factory=list)
+    constraint_failures: int = 0
+
+    def drain_structured(self) -> tuple[list[float], list[float]]:
+        """(compile seconds, mask seconds) observed since the last drain, and forget them: a
+        long-running owner drains every step so the lists stay short."""
+        compile_s, mask_s = self.compile_s, self.mask_s
+        self.compile_s, self.mask_s, self.mask_rows = [], [], []
+        return compile_s, mask_s
 
     @property
     def overhead_fraction_at_peak(self) -> float:

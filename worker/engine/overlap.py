@@ -12,8 +12,10 @@ launched before step N's tokens are on the host:
 - a request that finishes at N has one token computed in N+1 for nothing: it is discarded, never
   emitted nor counted.
 
-Requests whose sampling reads their token history on the host every step (penalties, logprobs)
-keep the engine synchronous while they are in it: the step left in flight is drained first.
+Requests whose sampling reads their token history on the host every step (penalties, logprobs,
+a constraint: its mask for step N+1 needs step N's token in its matcher) keep the engine
+synchronous while they are in it: the step left in flight is drained first. On a GPU a batch
+with constrained rows therefore runs without the overlap (docs/engine.md, "Structured output").
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import torch
 
 from worker.engine.model_runner import PendingTokens
 from worker.engine.request import Request
-from worker.engine.sampler import SampledToken, Sampler, has_penalties
+from worker.engine.sampler import SampledToken, Sampler, TokenMask, has_penalties
 from worker.engine.types import SamplingParams
 
 
@@ -72,29 +74,31 @@ class LaunchedStep:
 
 def launch_sampling(
     sampler: Sampler, logits: torch.Tensor, requests: list[Request], *, forward_start: torch.cuda.Event | None,
-    forward_s: float, overlapped: bool,
+    forward_s: float, overlapped: bool, token_mask: TokenMask | None = None,
 ) -> LaunchedStep:
     """Sample a launched forward's logits. Synchronous: the tokens come back to the host.
     Overlapped: the ids stay on the device, their copy to the host is started, and each request
-    gets a placeholder."""
+    gets a placeholder. `token_mask` masks the constrained rows (always a synchronous step)."""
     launched = LaunchedStep(requests=requests, forward_start=forward_start)
     t0 = time.perf_counter()
     with torch.inference_mode():  # logits are inference tensors; the sampler edits them
         if overlapped:
             _sample_on_device(sampler, logits, launched)
         else:
-            _sample_to_host(sampler, logits, launched)
+            _sample_to_host(sampler, logits, launched, token_mask)
     launched.host_model_s = forward_s + time.perf_counter() - t0
     return launched
 
 
-def _sample_to_host(sampler: Sampler, logits: torch.Tensor, launched: LaunchedStep) -> None:
+def _sample_to_host(
+    sampler: Sampler, logits: torch.Tensor, launched: LaunchedStep, token_mask: TokenMask | None
+) -> None:
     inputs = [r.sampling_inputs for r in launched.requests]
     if any(inp.params.logprobs is not None for inp in inputs):
-        launched.sampled = sampler(logits, inputs)
+        launched.sampled = sampler(logits, inputs, token_mask)
         launched.mark_sampled()
         return
-    ids = sampler.sample_ids(logits, inputs)
+    ids = sampler.sample_ids(logits, inputs, token_mask)
     launched.mark_sampled()
     launched.sampled = [SampledToken(t) for t in ids.tolist()]  # waits for the GPU
 
@@ -117,7 +121,7 @@ def _sample_on_device(sampler: Sampler, logits: torch.Tensor, launched: Launched
 
 def needs_host_history(params: SamplingParams) -> bool:
     """Sampling that reads the request's token history or per-token host results every step."""
-    return params.logprobs is not None or has_penalties(params)
+    return params.logprobs is not None or has_penalties(params) or params.structured_outputs is not None
 
 
 class Overlap:

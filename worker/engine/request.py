@@ -51,7 +51,7 @@ class Request:
         "prompt_token_ids", "num_prompt_tokens", "output_token_ids", "kv", "num_computed_tokens",
         "status", "finish_reason", "error_kind", "error", "num_cached_prompt_tokens", "ever_scheduled",
         "deferred_steps", "first_scheduled_time", "first_token_time", "detokenizer", "sampling_inputs",
-        "output_logprobs", "runner_row",
+        "output_logprobs", "runner_row", "matcher",
     )
 
     def __init__(
@@ -93,6 +93,9 @@ class Request:
         # Every output token's logprobs, when asked: the final delta carries the whole list.
         self.output_logprobs: list[TokenLogprob] | None = [] if req.sampling.logprobs is not None else None
         self.runner_row = -1  # row of the model runner's persistent block-table buffer (the runner's)
+        # The constraint's matcher, advanced by every output token (structured/constraints.py);
+        # None for an unconstrained request, and until its constraint has compiled.
+        self.matcher = None
 
     @property
     def num_tokens(self) -> int:

@@ -2,8 +2,12 @@
 
 Order of operations for each row (the vLLM v1 order):
 
+0. a constraint's token mask (structured output), when the step has one: disallowed ids of the
+   constrained rows become -inf, so every later operation sees only allowed tokens.
 1. logprobs, when asked, are taken from the RAW model distribution (log_softmax of the logits the
-   model produced), before any penalty, mask or temperature: vLLM's default ``raw_logprobs``.
+   model produced), before any penalty, mask or temperature: vLLM's default ``raw_logprobs``. A
+   constrained row's logprobs are of the unmasked distribution too (its top-N may name tokens
+   the constraint did not allow).
 2. min_tokens: while fewer than ``min_tokens`` tokens were generated, the stop token ids and (unless
    ``ignore_eos``) the EOS ids are masked to -inf, so the request cannot stop early. With
    ``ignore_eos`` the EOS token is an ordinary token and is never masked.
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -55,6 +60,12 @@ class SamplingInputs:
     num_pending_tokens: int = 0
     # The prompt as a tensor, built on first use by the repetition penalty (the prompt never changes).
     _prompt_ids: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
+
+
+class TokenMask(Protocol):
+    """Masks the disallowed ids of some rows of a step's logits to -inf, in place."""
+
+    def apply(self, logits: torch.Tensor) -> None: ...
 
 
 @dataclass
@@ -163,20 +174,31 @@ class Sampler:
         else:
             self._generator.manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, inputs: Sequence[SamplingInputs]) -> list[SampledToken]:
+    def __call__(
+        self, logits: torch.Tensor, inputs: Sequence[SamplingInputs], token_mask: TokenMask | None = None
+    ) -> list[SampledToken]:
         logits = self._check(logits, inputs)
-        if self._fast_path_ok(inputs):
+        raw = logits
+        if token_mask is not None:
+            if any(inp.params.logprobs is not None for inp in inputs):
+                raw = logits.clone()  # logprobs are of the unmasked distribution
+            token_mask.apply(logits)
+        if self._fast_path_ok(inputs):  # (False when logprobs are asked)
             return [SampledToken(t) for t in greedy_argmax(logits).tolist()]
         token_ids = self._token_ids(logits, inputs)
-        return self._with_logprobs(logits, token_ids, inputs)
+        return self._with_logprobs(raw, token_ids, inputs)
 
-    def sample_ids(self, logits: torch.Tensor, inputs: Sequence[SamplingInputs]) -> torch.Tensor:
+    def sample_ids(
+        self, logits: torch.Tensor, inputs: Sequence[SamplingInputs], token_mask: TokenMask | None = None
+    ) -> torch.Tensor:
         """The sampled token ids [N] as a tensor on the logits' device, for rows that want no
         logprobs: the same tokens as __call__, without waiting for them (on CUDA the caller decides
         when to bring them to the host). Logprobs need host work per row: use __call__ for them."""
         logits = self._check(logits, inputs)
         if any(inp.params.logprobs is not None for inp in inputs):
             raise ValueError("sample_ids does not compute logprobs; call the sampler itself for such rows")
+        if token_mask is not None:
+            token_mask.apply(logits)
         if self._fast_path_ok(inputs):
             return greedy_argmax(logits)
         return self._token_ids(logits, inputs)

@@ -6,6 +6,7 @@ engine runs on a machine that has only torch, triton, transformers and safetenso
 
 from __future__ import annotations
 
+import json as _json
 import time
 from dataclasses import dataclass, field, fields
 from enum import Enum
@@ -28,6 +29,7 @@ class ErrorKind(str, Enum):  # noqa: UP042
     PROMPT_TOO_LONG = "prompt_too_long"  # more prompt tokens than the engine's max_model_len
     INVALID_REQUEST = "invalid_request"  # refused by add() (e.g. token ids outside the vocabulary)
     INTERNAL = "internal"  # the engine failed on it
+    INVALID_CONSTRAINT = "invalid_constraint"  # its structured_outputs constraint did not compile
 
 
 # Wire-level limits the engine holds too: counts and token ids fit a signed 32-bit integer, seeds
@@ -35,6 +37,81 @@ class ErrorKind(str, Enum):  # noqa: UP042
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 LOGPROBS_MAX = 20
+
+# The kinds of constraint a request may carry (exactly one), in vLLM's `structured_outputs` names.
+CONSTRAINT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+WHITESPACE_MODES = ("compact", "flexible")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A constraint on the output: exactly one of json (a JSON Schema, as an object or its text),
+    json_object (any JSON object), regex, choice (one of the strings) or grammar (Lark/EBNF text).
+
+    `whitespace` applies to JSON kinds: "compact" allows no free whitespace between JSON tokens,
+    "flexible" allows short runs (see worker/engine/structured/llguidance_backend.py).
+    Only the shape is checked here; whether the constraint compiles is the compiler's to say
+    (an error there fails the request with ErrorKind.INVALID_CONSTRAINT).
+    """
+
+    json: str | dict | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    whitespace: str = "compact"
+
+    def __post_init__(self) -> None:
+        given = [k for k in CONSTRAINT_KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            named = ", ".join(given) if given else "none"
+            raise ValueError(f"structured_outputs needs exactly one of {', '.join(CONSTRAINT_KINDS)}; got {named}")
+        if self.whitespace not in WHITESPACE_MODES:
+            raise ValueError(f"structured_outputs.whitespace must be compact or flexible, got {self.whitespace!r}")
+        if self.json is not None and not isinstance(self.json, str | dict):
+            raise ValueError("structured_outputs.json must be a JSON Schema object or its JSON text")
+        if self.json_object is not False and self.json_object is not True:
+            raise ValueError("structured_outputs.json_object must be true when given")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string")
+        if self.choice is not None:
+            if not self.choice or not all(isinstance(c, str) and c for c in self.choice):
+                raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings")
+            object.__setattr__(self, "choice", list(self.choice))
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in CONSTRAINT_KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def key(self) -> tuple[str, str, str]:
+        """(kind, text, whitespace): what the compiler caches by. A schema given as an object and
+        as its text are one key; key order is kept (it is the order the output writes keys in)."""
+        kind = self.kind
+        if kind == "json":
+            value = self.json
+            text = value if isinstance(value, str) else _json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+        elif kind == "json_object":
+            text = ""
+        elif kind == "choice":
+            text = _json.dumps(self.choice, ensure_ascii=False)
+        else:
+            text = getattr(self, kind)
+        return kind, text, self.whitespace
+
+
+def _structured_outputs(value: StructuredOutputsParams | dict | None) -> StructuredOutputsParams | None:
+    """A dict (as a Job's model_dump gives it) becomes StructuredOutputsParams."""
+    if value is None or isinstance(value, StructuredOutputsParams):
+        return value
+    if not isinstance(value, dict):
+        raise ValueError("structured_outputs must be an object")
+    unknown = set(value) - {f.name for f in fields(StructuredOutputsParams)}
+    if unknown:
+        raise ValueError(f"structured_outputs has unknown keys: {', '.join(sorted(unknown))}")
+    return StructuredOutputsParams(**{k: v for k, v in value.items() if v is not None})
 
 
 @dataclass
@@ -59,8 +136,10 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = setting(None, minimum=0, maximum=LOGPROBS_MAX)  # top-N per token (0 = the chosen one)
+    structured_outputs: StructuredOutputsParams | None = None  # a dict is accepted and converted
 
     def __post_init__(self) -> None:
+        self.structured_outputs = _structured_outputs(self.structured_outputs)
         problems = problems_of(self, fields(self))
         if self.min_tokens > self.max_tokens:
             problems.append(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
@@ -153,6 +232,11 @@ class EngineStats:
     cached_prompt_tokens_total: int = 0  # of those, served from the prefix cache
     generated_tokens_total: int = 0  # output tokens emitted
     steps: int = 0  # steps that scheduled something
+    # Structured output, observed since the previous stats(drain_observations=True) (the worker's
+    # per-step report drains them into its histograms): seconds of each constraint compile, and
+    # of each step's mask fill + apply.
+    compile_s: list[float] = field(default_factory=list)
+    mask_s: list[float] = field(default_factory=list)
 
     @property
     def kv_usage(self) -> float:

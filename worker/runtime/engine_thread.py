@@ -85,7 +85,7 @@ class EngineThread:
 
     # -- the engine thread ----------------------------------------------------------------------
     def _post(self, deltas: list[RequestDelta], new_tokens: int = 0) -> None:
-        stats = self.engine.stats()
+        stats = self.engine.stats(drain_observations=True)
         try:
             self._loop.call_soon_threadsafe(self._on_step, deltas, stats, new_tokens)
         except RuntimeError:  # the loop is closed: we are shutting down

@@ -1,0 +1,149 @@
+"""The engine's side of structured output.
+
+- Requests with a constraint wait here, outside the scheduler, until their compile is done
+  (compiler.py); then they get a matcher of their own and go to the scheduler, or they fail
+  with the compiler's reason.
+- Each step, the constrained rows that sample get their bitmask rows filled on the backend's
+  threads while the forward runs (`start_step`); the mask is applied to the logits before
+  sampling (`StepMask.apply`, kernels/token_bitmask.py).
+- Each token taken in advances its request's matcher (`accept`); a complete grammar ends the
+  request (`finished`). The matcher lives on the Request, so preemption and recompute keep it:
+  recompute rebuilds KV only, the output tokens it has consumed stay.
+
+Constrained requests keep steps synchronous (overlap.py): the mask of step N+1 needs step N's
+token on the host.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+import torch
+
+from kernels.token_bitmask import apply_token_bitmask
+from worker.engine.metrics import EngineMetrics
+from worker.engine.structured.compiler import CompileEntry, ConstraintCompiler
+from worker.engine.structured.llguidance_backend import LLGuidanceBackend
+
+if TYPE_CHECKING:
+    from worker.engine.request import Request
+    from worker.engine.scheduler import SchedulerOutput
+
+
+class StepMask:
+    """The bitmask of one step's constrained rows, being filled while the forward runs."""
+
+    def __init__(self, fill: Future, bitmask: torch.Tensor, rows: list[int], metrics: EngineMetrics) -> None:
+        self._fill = fill
+        self._bitmask = bitmask  # [len(rows), W] int32, row k for sampling row rows[k]
+        self.rows = rows
+        self._metrics = metrics
+
+    def apply(self, logits: torch.Tensor) -> None:
+        """Wait for the fill, then mask the rows' disallowed ids to -inf in place."""
+        fill_s = self._fill.result()
+        t0 = time.perf_counter()
+        every_row = len(self.rows) == logits.shape[0]  # rows are ascending sampling rows
+        rows = None if every_row else torch.tensor(self.rows, dtype=torch.long, device=logits.device)
+        apply_token_bitmask(logits, self._bitmask, rows)
+        self._metrics.mask_s.append(fill_s + time.perf_counter() - t0)
+        self._metrics.mask_rows.append(len(self.rows))
+
+
+class Constraints:
+    def __init__(
+        self, tokenizer, vocab_size: int, eos_token_ids, *, timeout_s: float, threads: int, max_rows: int,
+        metrics: EngineMetrics,
+    ) -> None:
+        self.backend = LLGuidanceBackend(tokenizer, vocab_size, eos_token_ids)
+        self.compiler = ConstraintCompiler(self.backend, timeout_s=timeout_s, threads=threads,
+                                           on_compile=lambda seconds: metrics.compile_s.append(seconds))
+        self.waiting: dict[Request, CompileEntry] = {}  # in arrival order
+        self._metrics = metrics
+        self._vocab_size = vocab_size
+        self._max_rows = max_rows
+        self._bitmask: torch.Tensor | None = None
+        self._fill_pool: ThreadPoolExecutor | None = None
+
+    # -- requests waiting for their compile ----------------------------------------------------
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def add(self, req: Request) -> None:
+        self.waiting[req] = self.compiler.submit(req.sampling.structured_outputs)
+
+    def forget(self, req: Request) -> None:
+        self.waiting.pop(req, None)
+
+    def poll(self) -> tuple[list[Request], list[tuple[Request, str]]]:
+        """Requests whose compile ended: (ready, each with its matcher; failed, with the reason)."""
+        ready: list[Request] = []
+        failed: list[tuple[Request, str]] = []
+        now = time.monotonic()
+        for req, entry in list(self.waiting.items()):
+            outcome = self.compiler.outcome(entry, now)
+            if outcome is None:
+                continue
+            del self.waiting[req]
+            if outcome.error is not None:
+                failed.append((req, outcome.error))
+            else:
+                req.matcher = self.backend.new_matcher(outcome.grammar)
+                ready.append(req)
+        return ready, failed
+
+    def wait(self, timeout_s: float) -> None:
+        """Nothing else to do: block until a compile ends (or `timeout_s`)."""
+        self.compiler.wait_any(list(self.waiting.values()), timeout_s)
+
+    # -- one step -------------------------------------------------------------------------------
+    def start_step(self, out: SchedulerOutput) -> StepMask | None:
+        """Start filling the bitmask of the constrained rows that sample in `out` (None if none).
+        A row samples when its tokens catch up with the request (the model runner's rule)."""
+        matchers: list[tuple[object, int]] = []
+        rows: list[int] = []
+        row = 0
+        for req, n in zip(out.requests, out.num_new_tokens, strict=True):
+            if req.num_computed_tokens + n != req.num_tokens:
+                continue
+            if req.matcher is not None:
+                matchers.append((req.matcher, len(rows)))
+                rows.append(row)
+            row += 1
+        if not rows:
+            return None
+        bitmask = self._step_bitmask(len(rows))
+        fill = self._pool().submit(self._fill, matchers, bitmask)
+        return StepMask(fill, bitmask, rows, self._metrics)
+
+    def _fill(self, matchers, bitmask: torch.Tensor) -> float:
+        t0 = time.perf_counter()
+        self.backend.fill_bitmask(matchers, bitmask)
+        return time.perf_counter() - t0
+
+    def _pool(self) -> ThreadPoolExecutor:
+        if self._fill_pool is None:
+            self._fill_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="constraint-mask")
+        return self._fill_pool
+
+    def _step_bitmask(self, rows: int) -> torch.Tensor:
+        """The first `rows` rows of one reused int32 buffer (pinned when CUDA is there)."""
+        if self._bitmask is None:
+            words = (self._vocab_size + 31) // 32
+            pin = torch.cuda.is_available()
+            self._bitmask = torch.empty((self._max_rows, words), dtype=torch.int32, pin_memory=pin)
+        return self._bitmask[:rows]
+
+    # -- tokens taken in ------------------------------------------------------------------------
+    def accept(self, req: Request, token_id: int) -> None:
+        """Advance the request's matcher; raises when the token breaks the constraint (it cannot,
+        the mask forbids it: this is a bug, and fails the request alone)."""
+        if not self.backend.accept(req.matcher, token_id):
+            raise RuntimeError(f"token {token_id} is not allowed by the constraint: {self.backend.error(req.matcher)}")
+
+    def finished(self, req: Request) -> bool:
+        return self.backend.is_finished(req.matcher)
+

@@ -1,0 +1,118 @@
+"""The llguidance backend: grammars compiled by llguidance, masks filled by its thread pool.
+
+llguidance compiles JSON Schema (its widest-coverage part), regexes, Lark and GBNF grammars into
+a lazy lexer + Earley parser over the tokenizer's token trie; it says what it cannot do in an
+error rather than loosening the constraint, which is what we need at millions of rows. A compile
+is one LLMatcher built at the grammar's start; each request gets a deep copy of it (microseconds).
+
+Whitespace of JSON kinds: "compact" allows none between JSON tokens (separators are exactly
+"," and ":"), so a model cannot pad an object until max_tokens; "flexible" allows runs of at
+most FLEXIBLE_WHITESPACE_MAX spaces, tabs or newlines (pretty-printing, never unbounded padding).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from worker.engine.structured.backend import ConstraintError
+from worker.engine.types import StructuredOutputsParams
+
+FLEXIBLE_WHITESPACE_MAX = 16
+# The longest library reason kept in an error (a verbose parser error can hold the whole schema).
+MAX_REASON_CHARS = 2000
+
+
+def _reason(message: str) -> str:
+    message = " ".join(message.split())
+    return message if len(message) <= MAX_REASON_CHARS else message[: MAX_REASON_CHARS - 3] + "..."
+
+
+class LLGuidanceBackend:
+    name = "llguidance"
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+        self._hf_tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+        self._lock = threading.Lock()
+        self._tokenizer = None  # built on the first compile (~0.2 s): engines without constraints skip it
+        self._executor = None
+
+    # -- compile ------------------------------------------------------------------------------
+    def _llg_tokenizer(self):
+        with self._lock:
+            if self._tokenizer is None:
+                import llguidance.hf
+
+                try:
+                    self._tokenizer = llguidance.hf.from_tokenizer(
+                        self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token_ids
+                    )
+                except Exception as exc:  # a tokenizer llguidance cannot read fails every constraint
+                    raise ConstraintError(f"the model's tokenizer cannot be used for constraints: {exc}") from exc
+            return self._tokenizer
+
+    def grammar_text(self, params: StructuredOutputsParams) -> str:
+        """The llguidance grammar of a constraint; raises ConstraintError for malformed input."""
+        from llguidance import LLMatcher, grammar_from
+
+        kind, text, whitespace = params.key
+        try:
+            if kind in ("json", "json_object"):
+                schema = text if kind == "json" else '{"type": "object"}'
+                return LLMatcher.grammar_from_json_schema(schema, overrides=_json_options(whitespace))
+            if kind == "regex":
+                return LLMatcher.grammar_from_regex(text)
+            if kind == "choice":
+                return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in params.choice))
+            return grammar_from("grammar", text)  # Lark, or GBNF/EBNF converted to Lark
+        except ValueError as exc:
+            raise ConstraintError(_reason(f"invalid {kind} constraint: {exc}")) from exc
+
+    def compile(self, params: StructuredOutputsParams):
+        from llguidance import LLMatcher
+
+        grammar = self.grammar_text(params)
+        tokenizer = self._llg_tokenizer()
+        try:
+            matcher = LLMatcher(tokenizer, grammar, log_level=0)
+        except Exception as exc:  # raised for API-level misuse; grammar errors set is_error
+            raise ConstraintError(_reason(f"invalid {params.kind} constraint: {exc}")) from exc
+        if matcher.is_error():
+            raise ConstraintError(_reason(f"invalid {params.kind} constraint: {matcher.get_error()}"))
+        return matcher
+
+    # -- per request and per step ---------------------------------------------------------------
+    def new_matcher(self, grammar: Any):
+        return grammar.deep_copy()
+
+    def fill_bitmask(self, matchers: Sequence[tuple[Any, int]], bitmask: torch.Tensor) -> None:
+        from llguidance.torch import fill_next_token_bitmask_par
+
+        if self._executor is None:
+            from llguidance import LLExecutor
+
+            self._executor = LLExecutor()
+        # The executor fills the rows on its own threads with the GIL released.
+        fill_next_token_bitmask_par(self._executor, list(matchers), bitmask)
+
+    def accept(self, matcher: Any, token_id: int) -> bool:
+        return bool(matcher.consume_token(token_id))
+
+    def is_finished(self, matcher: Any) -> bool:
+        return bool(matcher.is_stopped())
+
+    def error(self, matcher: Any) -> str:
+        return _reason(matcher.get_error() or "the token is not allowed by the constraint")
+
+
+def _json_options(whitespace: str) -> dict:
+    """The JSON compile options, as overrides (a schema's own x-guidance cannot change them)."""
+    if whitespace == "compact":
+        return {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+    return {"whitespace_flexible": True, "whitespace_pattern": rf"[\x20\x0A\x0D\x09]{{0,{FLEXIBLE_WHITESPACE_MAX}}}"}
