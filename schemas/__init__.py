@@ -10,6 +10,7 @@ from schemas.constants import (
     ERROR_CODES,
     ERROR_CRASHED_WORKER,
     ERROR_INTERNAL,
+    ERROR_INVALID_CONSTRAINT,
     ERROR_INVALID_JOB,
     ERROR_MODEL_MISMATCH,
     ERROR_PROMPT_TOO_LONG,
@@ -35,7 +36,7 @@ from schemas.constants import (
 )
 from schemas.decode import InputLine, decode_job, is_openai_batch_line, parse_input_line, read_input_line
 from schemas.errors import JobDecodeError, format_validation_error
-from schemas.job import Job, Message, Sampling
+from schemas.job import Job, Message, Sampling, StructuredOutputs
 from schemas.openai_batch import (
     CHAT_COMPLETIONS_URL,
     COMPLETIONS_URL,
@@ -51,6 +52,7 @@ __all__ = [
     "ERROR_CODES",
     "ERROR_CRASHED_WORKER",
     "ERROR_INTERNAL",
+    "ERROR_INVALID_CONSTRAINT",
     "ERROR_INVALID_JOB",
     "ERROR_MODEL_MISMATCH",
     "ERROR_PROMPT_TOO_LONG",
@@ -80,6 +82,7 @@ __all__ = [
     "Result",
     "Sampling",
     "Source",
+    "StructuredOutputs",
     "Timing",
     "TokenEvent",
     "TokenLogprob",

@@ -27,6 +27,7 @@ ERROR_MODEL_MISMATCH: Final = "model_mismatch"  # job.model is not the worker's 
 ERROR_INTERNAL: Final = "internal"  # the worker failed while running a valid job
 ERROR_CRASHED_WORKER: Final = "crashed_worker"  # in flight each time a worker died, attempts used up
 ERROR_RESULT_TOO_LARGE: Final = "result_too_large"  # even cut down, the Result passes the topic's size limit
+ERROR_INVALID_CONSTRAINT: Final = "invalid_constraint"  # sampling.structured_outputs does not compile
 ERROR_CODES: Final = (
     ERROR_INVALID_JOB,
     ERROR_PROMPT_TOO_LONG,
@@ -34,9 +35,16 @@ ERROR_CODES: Final = (
     ERROR_INTERNAL,
     ERROR_CRASHED_WORKER,
     ERROR_RESULT_TOO_LARGE,
+    ERROR_INVALID_CONSTRAINT,
 )
 ErrorCode = Literal[
-    "invalid_job", "prompt_too_long", "model_mismatch", "internal", "crashed_worker", "result_too_large"
+    "invalid_job",
+    "prompt_too_long",
+    "model_mismatch",
+    "internal",
+    "crashed_worker",
+    "result_too_large",
+    "invalid_constraint",
 ]
 
 # Headers on dead-letter records (values are UTF-8 bytes; partition and offset in decimal).
@@ -63,6 +71,12 @@ LOGPROBS_MAX: Final = 20
 TOKEN_ID_MAX: Final = 2**31 - 1  # token ids and token counts fit a signed 32-bit integer
 INT64_MIN: Final = -(2**63)
 INT64_MAX: Final = 2**63 - 1
+
+# sampling.structured_outputs: the kinds of constraint (a job gives exactly one), in vLLM's
+# `structured_outputs` names, and the whitespace modes of the JSON kinds.
+STRUCTURED_OUTPUT_KINDS: Final = ("json", "json_object", "regex", "choice", "grammar")
+WHITESPACE_MODES: Final = ("compact", "flexible")
+WhitespaceMode = Literal["compact", "flexible"]
 
 # Message roles a Job may carry (the contract leaves the set open; these are the ones every
 # supported chat template renders).

@@ -9,9 +9,18 @@ as integers are accepted where the contract asks for a float (``"temperature": 0
 from __future__ import annotations
 
 import json
+import warnings
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    field_validator,
+    model_validator,
+)
 
 from schemas.constants import (
     INT64_MAX,
@@ -20,8 +29,10 @@ from schemas.constants import (
     LOGPROBS_MAX,
     METADATA_MAX_BYTES,
     STOP_MAX_STRINGS,
+    STRUCTURED_OUTPUT_KINDS,
     TOKEN_ID_MAX,
     MessageRole,
+    WhitespaceMode,
 )
 
 # Shared field types. Counts and token ids fit a signed 32-bit integer: larger values can only be
@@ -54,6 +65,94 @@ class Message(StrictModel):
     content: str = Field(description="The message text (may be empty, e.g. an empty system message).")
 
 
+def _given_kinds(value: Any) -> list[str]:
+    # json_object: false counts as absent, like null.
+    return [k for k in STRUCTURED_OUTPUT_KINDS if getattr(value, k) not in (None, False)]
+
+
+# The field `json` keeps vLLM's name; it shadows pydantic's deprecated BaseModel.json() method,
+# which nothing here uses.
+warnings.filterwarnings(
+    "ignore", message='Field name "json" in "StructuredOutputs" shadows', category=UserWarning
+)
+
+
+class StructuredOutputs(StrictModel):
+    """A constraint on the output: exactly one of json, json_object, regex, choice or grammar
+    (vLLM's structured_outputs names), plus whitespace for the JSON kinds. A constraint that does
+    not compile fails the job with invalid_constraint."""
+
+    # Checked here: the shape (one kind, the types, non-empty texts and choices, a schema given as
+    # text is a JSON object). Not here: whether it compiles (a syntax error, a feature the matcher
+    # does not support, a compile past its time limit): the engine's compiler says (its field
+    # names and defaults are held equal to these by tests/test_sampling_fields.py).
+
+    # Exactly one kind; null (and json_object: false) counts as absent.
+    model_config = StrictModel.model_config | ConfigDict(
+        json_schema_extra={
+            "oneOf": [
+                {
+                    "required": [name],
+                    "properties": {
+                        name: {"const": True} if name == "json_object" else {"not": {"type": "null"}}
+                    },
+                }
+                for name in STRUCTURED_OUTPUT_KINDS
+            ],
+        }
+    )
+
+    json: dict[str, Any] | str | None = Field(
+        default=None,
+        description="A JSON Schema, as an object or as its JSON text: the output is a JSON value it accepts.",
+    )
+    json_object: bool = Field(default=False, description="true: the output is any JSON object.")
+    regex: str | None = Field(
+        default=None, min_length=1, description="The output matches this regular expression."
+    )
+    choice: list[Annotated[str, Field(min_length=1)]] | None = Field(
+        default=None, min_length=1, description="The output is exactly one of these strings."
+    )
+    grammar: str | None = Field(
+        default=None, min_length=1, description="A Lark/EBNF grammar; the output is a sentence of it."
+    )
+    whitespace: WhitespaceMode = Field(
+        default="compact",
+        description="For json and json_object: compact = no free whitespace; flexible = short runs allowed.",
+    )
+
+    @field_validator("json", mode="wrap")
+    @classmethod
+    def _schema_object_or_text(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        # One message for the union (pydantic would report each arm apart).
+        try:
+            value = handler(value)
+        except ValidationError:
+            raise ValueError("must be a JSON Schema object or its JSON text") from None
+        if isinstance(value, str):
+            from schemas.decode import load_json  # decode imports this module
+
+            try:
+                schema = load_json(value, id_of=lambda _: None)
+            except ValueError as exc:  # JobDecodeError: "not JSON: ..."
+                raise ValueError(getattr(exc, "message", str(exc))) from None
+            if not isinstance(schema, dict):
+                raise ValueError("the JSON text must hold a JSON Schema object")
+        return value
+
+    @model_validator(mode="after")
+    def _exactly_one_kind(self) -> StructuredOutputs:
+        given = _given_kinds(self)
+        if len(given) != 1:
+            got = ", ".join(given) if given else "none"
+            raise ValueError(f"exactly one of {', '.join(STRUCTURED_OUTPUT_KINDS)} is required (got {got})")
+        return self
+
+    @property
+    def kind(self) -> str:
+        return _given_kinds(self)[0]
+
+
 class Sampling(StrictModel):
     """How tokens are drawn. Names and meanings follow the OpenAI and vLLM conventions."""
 
@@ -84,6 +183,11 @@ class Sampling(StrictModel):
         le=LOGPROBS_MAX,
         description="null = none; N in 0..20 = the chosen token's logprob plus the top N alternatives.",
     )
+    # Last, so the field order stays that of the engine's SamplingParams.
+    structured_outputs: StructuredOutputs | None = Field(
+        default=None,
+        description="Constrain the output to a JSON Schema, any JSON object, a regex, a choice or a grammar.",
+    )
 
     @model_validator(mode="after")
     def _min_not_above_max(self) -> Sampling:
@@ -104,7 +208,8 @@ class Job(StrictModel):
     model_config = StrictModel.model_config | ConfigDict(
         json_schema_extra={
             "oneOf": [
-                {"required": [name], "properties": {name: {"not": {"type": "null"}}}} for name in PROMPT_FIELDS
+                {"required": [name], "properties": {name: {"not": {"type": "null"}}}}
+                for name in PROMPT_FIELDS
             ],
         }
     )

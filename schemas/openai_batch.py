@@ -9,6 +9,12 @@ Output: ``openai_batch_output_line(result, url)`` -> the OpenAI Batch output lin
 Body fields are mapped, accepted as no-ops when they hold their default, ignored when they cannot
 change the output (``IGNORED_BODY_FIELDS``), or rejected with a message naming them: a request
 must never run differently from what it asked for without saying so.
+
+``response_format`` becomes ``sampling.structured_outputs``: ``json_schema`` -> ``{"json": schema}``,
+``json_object`` -> ``{"json_object": true}``, ``text`` -> no constraint. ``strict`` is accepted and
+changes nothing: the schema is always enforced on every token (there is no best-effort mode to turn
+off), as written (OpenAI's strict-mode rewrites and restrictions are not applied). vLLM's
+``structured_outputs`` body field is accepted too, as the Job field.
 """
 
 from __future__ import annotations
@@ -50,8 +56,9 @@ BOTH = CHAT | COMPLETIONS
 # Body field -> (the Job path it fills, the endpoints that have it). Every rename between an
 # OpenAI body and a Job is in this one table; the few whose value also changes shape are handled
 # in _reshape (a stop string becomes a list, token-id prompts go to prompt_token_ids, chat
-# logprobs/top_logprobs combine into one count). top_k .. ignore_eos are vLLM's extensions of the
-# OpenAI request, accepted by vLLM's OpenAI-compatible server too.
+# logprobs/top_logprobs combine into one count, response_format becomes a constraint). top_k ..
+# structured_outputs are vLLM's extensions of the OpenAI request, accepted by vLLM's
+# OpenAI-compatible server too (as is response_format on /v1/completions).
 BODY_TO_JOB: dict[str, tuple[str, frozenset[str]]] = {
     "model": ("model", BOTH),
     "messages": ("messages", CHAT),
@@ -72,7 +79,13 @@ BODY_TO_JOB: dict[str, tuple[str, frozenset[str]]] = {
     "min_tokens": ("sampling.min_tokens", BOTH),
     "stop_token_ids": ("sampling.stop_token_ids", BOTH),
     "ignore_eos": ("sampling.ignore_eos", BOTH),
+    "structured_outputs": ("sampling.structured_outputs", BOTH),
+    "response_format": ("sampling.structured_outputs", BOTH),
 }
+
+# response_format: the keys each type takes, and those of its json_schema object.
+RESPONSE_FORMAT_KEYS = {"text": {"type"}, "json_object": {"type"}, "json_schema": {"type", "json_schema"}}
+JSON_SCHEMA_KEYS = ("name", "description", "schema", "strict")
 
 # Fields that are fine only at their default value (the value OpenAI uses when it is absent),
 # with the endpoints that have them.
@@ -83,7 +96,6 @@ _DEFAULT_ONLY: dict[str, tuple[tuple[Any, ...], frozenset[str]]] = {
     "echo": ((False,), COMPLETIONS),
     "best_of": ((1,), COMPLETIONS),
     "suffix": (("",), COMPLETIONS),
-    "response_format": (({"type": "text"},), CHAT),
     "tools": (([],), CHAT),
     "functions": (([],), CHAT),
 }
@@ -113,8 +125,6 @@ def _not_default_reason(name: str, value: Any) -> str:
         return "streaming is not part of a batch request (use the Job field stream for token events)"
     if name in ("tools", "functions"):
         return "tool and function calling are not supported"
-    if name == "response_format":
-        return 'only {"type": "text"} is supported'
     if name == "logit_bias":
         return "logit_bias is not supported"
     if name == "echo":
@@ -165,9 +175,50 @@ def _completion_prompt(prompt: Any, problems: list[str]) -> tuple[str, Any]:
     return "prompt", prompt
 
 
+def _response_format(value: Any, problems: list[str]) -> dict[str, Any] | None:
+    """body.response_format -> the structured_outputs it asks for (None: plain text, or a problem
+    noted)."""
+    where = "body.response_format"
+    if not isinstance(value, dict):
+        problems.append(f"{where}: must be an object")
+        return None
+    kind = value.get("type")
+    if not isinstance(kind, str) or kind not in RESPONSE_FORMAT_KEYS:
+        got = "none" if kind is None else repr(kind)
+        problems.append(f"{where}.type: must be one of {', '.join(RESPONSE_FORMAT_KEYS)} (got {got})")
+        return None
+    for extra in sorted(set(value) - RESPONSE_FORMAT_KEYS[kind]):
+        problems.append(f"{where}.{extra}: not a field of type {kind}")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict):
+        problems.append(f"{where}.json_schema: {'required' if spec is None else 'must be an object'}")
+        return None
+    where += ".json_schema"
+    for extra in sorted(set(spec) - set(JSON_SCHEMA_KEYS)):
+        problems.append(f"{where}.{extra}: unknown field")
+    name, description, strict = spec.get("name"), spec.get("description"), spec.get("strict")
+    if not isinstance(name, str) or not name:
+        problems.append(f"{where}.name: {'required' if name is None else 'must be a non-empty string'}")
+    if description is not None and not isinstance(description, str):
+        problems.append(f"{where}.description: must be a string")
+    if strict is not None and type(strict) is not bool:
+        problems.append(f"{where}.strict: must be true or false")
+    schema = spec.get("schema")
+    if not isinstance(schema, dict):
+        problems.append(f"{where}.schema: {'required' if schema is None else 'must be a JSON Schema object'}")
+        return None
+    return {"json": schema}
+
+
 def _reshape(name: str, value: Any, problems: list[str]) -> tuple[str, Any]:
     """A body value -> (Job path, value in the Job's shape), after BODY_TO_JOB."""
     path = BODY_TO_JOB[name][0]
+    if name == "response_format":
+        return path, _response_format(value, problems)
     if name == "stop" and isinstance(value, str):
         return path, [value]
     if name == "messages" and isinstance(value, list):
@@ -235,8 +286,15 @@ def job_from_openai_batch_line(line: dict[str, Any] | bytes | bytearray | str) -
         if chat and name in ("logprobs", "top_logprobs"):
             continue  # combined below
         path, value = _reshape(name, value, problems)
+        if name == "response_format" and value is None:
+            continue  # plain text (or a problem already noted)
+        if path == "sampling.structured_outputs" and path in rename:
+            problems.append(f"{rename[path]}, body.{name}: both given; give one of them")
+            continue
         _put(job, sampling, path, value)
         rename[path] = f"body.{name}"
+        if name == "response_format":
+            rename[f"{path}.json"] = "body.response_format.json_schema.schema"
 
     if chat:
         if "messages" not in body:

@@ -139,6 +139,12 @@ def test_expired_result():
         ),
         (ErrorKind.INVALID_REQUEST, "token id 99999 out of range", "invalid_job", "token id 99999 out of range"),
         (ErrorKind.INTERNAL, "CUDA error: out of memory", "internal", "CUDA error: out of memory"),
+        (
+            ErrorKind.INVALID_CONSTRAINT,
+            "regex: unbalanced parenthesis at 3",
+            "invalid_constraint",
+            "regex: unbalanced parenthesis at 3",
+        ),
         (None, None, "internal", "the engine failed without a message"),
     ],
 )
@@ -155,6 +161,60 @@ def test_error_result_codes(kind, engine_error, code, message):
 def test_every_engine_error_kind_maps_to_a_contract_code():
     assert set(ENGINE_ERROR_CODES) == set(ErrorKind)
     assert set(ENGINE_ERROR_CODES.values()) <= set(ERROR_CODES)
+
+
+def test_a_constraint_reaches_the_engine():
+    req = job_to_engine_request(job(sampling={"max_tokens": 5, "structured_outputs": {"regex": "[0-9]+"}}))
+    assert req.sampling.structured_outputs.kind == "regex" and req.sampling.structured_outputs.regex == "[0-9]+"
+    assert req.sampling == SamplingParams(max_tokens=5, structured_outputs={"regex": "[0-9]+"})
+
+
+# -- invalid_constraint on the worker's path: a job that cannot run, like prompt_too_long -------------
+
+_BAD_CONSTRAINT = {"structured_outputs": {"json": {"type": "object", "properties": {"a": {"type": "nope"}}}}}
+
+
+def _bad_constraint_delta(request_id: str) -> RequestDelta:
+    return final(FinishReason.ERROR, request_id=request_id, error_kind=ErrorKind.INVALID_CONSTRAINT,
+                 error="unknown type 'nope'", output_token_ids=None, output_text=None)
+
+
+def test_an_invalid_constraint_is_dead_lettered_and_gets_its_error_result():
+    from tests.test_worker_steps import _ctx, _job
+    from worker.kafka import answers
+
+    job_ = _job(sampling=_BAD_CONSTRAINT)
+    ans = answers.finished(job_, _bad_constraint_delta(job_.request_id), _ctx())
+    dead, result = ans.records
+    assert dead.topic == "dlq" and dead.value == job_.fetched.value  # the input, unchanged
+    assert dict(dead.headers)["tokenmill.error.code"] == b"invalid_constraint"
+    assert json.loads(result.value)["error"] == {"code": "invalid_constraint", "message": "unknown type 'nope'"}
+    assert (ans.outcome, ans.code) == ("error", "invalid_constraint")
+
+
+async def test_an_invalid_constraint_counts_as_bad_input_for_the_guard():
+    import asyncio
+
+    from tests.test_worker_steps import FakeTokens, _ctx, _inflight, _job
+    from worker.kafka.engine_output import EngineOutput
+    from worker.kafka.offsets import OffsetTracker
+    from worker.metrics import WorkerMetrics
+
+    inflight, thread, _ = _inflight(cap=0)
+    job_ = _job(sampling=_BAD_CONSTRAINT)
+    recorded, delivered, tasks = [], [], []
+
+    async def deliver(answer) -> None:
+        delivered.append(answer)
+
+    output = EngineOutput(inflight, FakeTokens(), OffsetTracker(10), _ctx(), WorkerMetrics(),
+                          record_input=recorded.append, deliver=deliver,
+                          spawn=lambda coro, name: tasks.append(asyncio.ensure_future(coro)))
+    inflight.admit(job_)
+    assert thread.submitted == [job_.attempt]  # the job's constraint mapped onto an engine request
+    output.take([_bad_constraint_delta(job_.request_id)])
+    await asyncio.gather(*tasks)
+    assert recorded == ["invalid_constraint"] and [a.code for a in delivered] == ["invalid_constraint"]
 
 
 def test_a_code_written_into_the_message_is_not_parsed_back():

@@ -11,11 +11,14 @@ import annotated_types
 import pytest
 from pydantic_core import PydanticUndefined
 
-from schemas.job import Sampling
-from worker.engine.types import SamplingParams
+from schemas.constants import STRUCTURED_OUTPUT_KINDS, WHITESPACE_MODES
+from schemas.job import Sampling, StructuredOutputs
+from worker.engine import types as engine_types
+from worker.engine.types import SamplingParams, StructuredOutputsParams
 from worker.job_mapping import job_to_engine_request
 
 ENGINE_FIELDS = {f.name: f for f in dataclasses.fields(SamplingParams)}
+CONSTRAINT_FIELDS = {f.name: f for f in dataclasses.fields(StructuredOutputsParams)}
 
 
 def _engine_default(f: dataclasses.Field):
@@ -98,10 +101,73 @@ def test_a_job_maps_every_sampling_field_by_name():
 
     values = {"max_tokens": 9, "min_tokens": 1, "temperature": 0.5, "top_p": 0.5, "top_k": 3, "min_p": 0.1,
               "repetition_penalty": 1.2, "presence_penalty": 0.5, "frequency_penalty": -0.5, "seed": 7,
-              "stop": ["x"], "stop_token_ids": [4], "ignore_eos": True, "logprobs": 2}
+              "stop": ["x"], "stop_token_ids": [4], "ignore_eos": True, "logprobs": 2,
+              "structured_outputs": {"choice": ["yes", "no"], "whitespace": "flexible"}}
     assert set(values) == set(Sampling.model_fields)
     job = Job.model_validate({"job_id": "j", "prompt": "p", "sampling": values})
     got = job_to_engine_request(job).sampling
-    assert dataclasses.asdict(got) == values
+    unset = {"json": None, "json_object": False, "regex": None, "grammar": None}
+    constraint = {**unset, **values["structured_outputs"]}
+    assert dataclasses.asdict(got) == {**values, "structured_outputs": constraint}
     got.stop.append("y")  # the engine's lists are its own
-    assert job.sampling.stop == ["x"]
+    got.structured_outputs.choice.append("maybe")
+    assert job.sampling.stop == ["x"] and job.sampling.structured_outputs.choice == ["yes", "no"]
+
+
+# --- structured_outputs: the wire's StructuredOutputs and the engine's StructuredOutputsParams ---
+
+
+def test_the_same_constraint_field_names_in_the_same_order():
+    assert list(CONSTRAINT_FIELDS) == list(StructuredOutputs.model_fields)
+    assert engine_types.CONSTRAINT_KINDS == STRUCTURED_OUTPUT_KINDS
+    assert engine_types.WHITESPACE_MODES == WHITESPACE_MODES
+
+
+@pytest.mark.parametrize("name", list(StructuredOutputs.model_fields))
+def test_the_same_constraint_default(name):
+    assert _engine_default(CONSTRAINT_FIELDS[name]) == StructuredOutputs.model_fields[name].default
+
+
+@pytest.mark.parametrize(
+    "given",
+    [
+        {"json": {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}}}},
+        {"json": '{"type": "array", "maxItems": 3}', "whitespace": "flexible"},
+        {"json_object": True},
+        {"regex": "[0-9]{3}"},
+        {"choice": ["positive", "negative"]},
+        {"grammar": 'start: "a"+'},
+    ],
+)
+def test_every_constraint_kind_reaches_the_engine_as_given(given):
+    from schemas import Job
+
+    job = Job.model_validate({"job_id": "j", "prompt": "p", "sampling": {"structured_outputs": given}})
+    got = job_to_engine_request(job).sampling.structured_outputs
+    assert isinstance(got, StructuredOutputsParams)
+    kind = next(k for k in STRUCTURED_OUTPUT_KINDS if k in given)
+    assert got.kind == job.sampling.structured_outputs.kind == kind
+    assert getattr(got, kind) == given[kind] and got.whitespace == given.get("whitespace", "compact")
+    if kind == "json" and isinstance(given["json"], dict):  # key order kept: the output writes keys in it
+        assert list(got.json["properties"]) == ["b", "a"]
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [{}, {"regex": "a", "choice": ["x"]}, {"json_object": False}, {"regex": ""}, {"grammar": ""},
+     {"choice": []}, {"choice": [""]}, {"json": 5}, {"whitespace": "loose", "regex": "a"},
+     {"regex": "a", "x": 1}],
+)
+def test_constraints_the_wire_refuses_the_engine_refuses(bad):
+    with pytest.raises(ValueError, match="structured_outputs"):
+        SamplingParams(structured_outputs=bad)
+    with pytest.raises(ValueError):
+        StructuredOutputs.model_validate(bad)
+
+
+def test_no_constraint_is_none_on_both_sides():
+    from schemas import Job
+
+    job = Job.model_validate({"job_id": "j", "prompt": "p"})
+    assert job.sampling.structured_outputs is None
+    assert job_to_engine_request(job).sampling.structured_outputs is None

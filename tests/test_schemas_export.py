@@ -45,6 +45,10 @@ CONTRACT_RESULT = {
 }
 
 
+def constrained(structured_outputs: dict) -> dict:
+    return {**CONTRACT_JOB, "sampling": {"structured_outputs": structured_outputs}}
+
+
 def validator(name: str) -> jsonschema.Draft202012Validator:
     schema = json.loads(schema_path(name).read_text(encoding="utf-8"))
     jsonschema.Draft202012Validator.check_schema(schema)
@@ -105,6 +109,14 @@ def test_contract_examples_are_valid(name, example):
         ("logprobs 21", {**CONTRACT_JOB, "sampling": {"logprobs": 21}}),
         ("job_id too long", {**CONTRACT_JOB, "job_id": "x" * 257}),
         ("bad role", {"job_id": "a", "messages": [{"role": "robot", "content": "hi"}]}),
+        ("no constraint kind", constrained({})),
+        ("two constraint kinds", constrained({"regex": "a", "choice": ["a"]})),
+        ("json_object false alone", constrained({"json_object": False})),
+        ("null kind only", constrained({"regex": None})),
+        ("empty choice", constrained({"choice": []})),
+        ("json a number", constrained({"json": 5})),
+        ("unknown constraint key", constrained({"regex": "a", "flags": "i"})),
+        ("bad whitespace", constrained({"regex": "a", "whitespace": "x"})),
     ],
 )
 def test_job_schema_rejects(name, job):
@@ -112,6 +124,23 @@ def test_job_schema_rejects(name, job):
     # The models reject the same jobs.
     with pytest.raises(ValueError):
         decode_job(json.dumps(job).encode())
+
+
+@pytest.mark.parametrize(
+    "constraint",
+    [
+        {"json": {"type": "object"}},
+        {"json": '{"type": "object"}', "whitespace": "flexible"},
+        {"json_object": True},
+        {"regex": "[0-9]+", "json_object": False, "json": None},
+        {"choice": ["a", "b"]},
+        {"grammar": 'start: "a"'},
+    ],
+)
+def test_job_schema_accepts_each_constraint_kind(constraint):
+    job = constrained(constraint)
+    validator("job").validate(job)
+    decode_job(json.dumps(job).encode())  # and so do the models
 
 
 def test_job_schema_accepts_each_prompt_form():
@@ -148,6 +177,7 @@ def test_result_schema_accepts_error_and_expired():
     v = validator("result")
     base = {k: v for k, v in CONTRACT_RESULT.items() if k not in ("text", "token_ids", "finish_reason")}
     v.validate({**base, "status": "error", "error": {"code": "model_mismatch", "message": "wants m2"}})
+    v.validate({**base, "status": "error", "error": {"code": "invalid_constraint", "message": "bad regex"}})
     v.validate({**base, "status": "expired"})
 
 

@@ -11,6 +11,8 @@ from schemas import ERROR_INVALID_JOB, Job, JobDecodeError, Sampling, decode_job
 
 BASE = {"job_id": "row-1", "prompt": "hello"}
 MSGS = [{"role": "user", "content": "hi"}]
+SCHEMA = {"type": "object", "properties": {"label": {"enum": ["a", "b"]}}, "required": ["label"]}
+SO = "sampling.structured_outputs"
 
 
 def with_(patch: dict, base: dict = BASE) -> dict:
@@ -86,6 +88,19 @@ VALID = [
     ("logprobs null", {"sampling.logprobs": None}),
     ("logprobs 0", {"sampling.logprobs": 0}),
     ("logprobs 20", {"sampling.logprobs": 20}),
+    ("structured_outputs null", {"sampling.structured_outputs": None}),
+    ("json schema object", {"sampling.structured_outputs": {"json": SCHEMA}}),
+    ("json schema text", {"sampling.structured_outputs": {"json": json.dumps(SCHEMA)}}),
+    ("json schema that will not compile", {"sampling.structured_outputs": {"json": {"type": "nope"}}}),
+    ("json_object", {"sampling.structured_outputs": {"json_object": True}}),
+    ("json_object flexible", {"sampling.structured_outputs": {"json_object": True, "whitespace": "flexible"}}),
+    ("regex", {"sampling.structured_outputs": {"regex": "[0-9]{3}-[0-9]{4}"}}),
+    ("regex that will not compile", {"sampling.structured_outputs": {"regex": "(unclosed"}}),
+    ("choice", {"sampling.structured_outputs": {"choice": ["positive", "negative", "neutral"]}}),
+    ("choice of one", {"sampling.structured_outputs": {"choice": ["yes"]}}),
+    ("grammar", {"sampling.structured_outputs": {"grammar": 'start: "yes" | "no"'}}),
+    ("other kinds null", {"sampling.structured_outputs": {"regex": "a+", "json": None, "choice": None}}),
+    ("json_object false beside a kind", {"sampling.structured_outputs": {"regex": "a+", "json_object": False}}),
     ("stream true", {"stream": True}),
     ("stream false", {"stream": False}),
     ("priority negative", {"priority": -5}),
@@ -229,6 +244,36 @@ INVALID = [
     ("logprobs 21", {"sampling.logprobs": 21}, "sampling.logprobs: must be <= 20"),
     ("logprobs negative", {"sampling.logprobs": -1}, "sampling.logprobs: must be >= 0"),
     ("logprobs bool", {"sampling.logprobs": True}, "sampling.logprobs: must be an integer"),
+    ("structured_outputs not an object", {SO: "json"}, "sampling.structured_outputs: must be an object"),
+    (
+        "structured_outputs with no kind",
+        {SO: {}},
+        f"{SO}: exactly one of json, json_object, regex, choice, grammar is required (got none)",
+    ),
+    ("structured_outputs json_object false", {SO: {"json_object": False}}, "is required (got none)"),
+    ("structured_outputs two kinds", {SO: {"json": SCHEMA, "regex": "a"}}, "is required (got json, regex)"),
+    ("structured_outputs unknown key", {SO: {"regex": "a", "pattern": "b"}}, f"{SO}.pattern: unknown field"),
+    ("structured_outputs vLLM-only key", {SO: {"json_object": True, "disable_fallback": True}}, "unknown field"),
+    ("json a number", {SO: {"json": 5}}, f"{SO}.json: must be a JSON Schema object or its JSON text"),
+    ("json a list", {SO: {"json": [SCHEMA]}}, f"{SO}.json: must be a JSON Schema object or its JSON text"),
+    ("json text not JSON", {SO: {"json": "{type: object}"}}, f"{SO}.json: not JSON: Expecting property name"),
+    ("json text empty", {SO: {"json": ""}}, f"{SO}.json: not JSON"),
+    ("json text not an object", {SO: {"json": "[1, 2]"}}, f"{SO}.json: the JSON text must hold a JSON Schema"),
+    ("json text with NaN", {SO: {"json": '{"minimum": NaN}'}}, f"{SO}.json: not JSON: NaN is not a JSON value"),
+    ("json text duplicate key", {SO: {"json": '{"a": 1, "a": 2}'}}, f"{SO}.json: not JSON: duplicate key 'a'"),
+    ("json_object 1", {SO: {"json_object": 1}}, f"{SO}.json_object: must be true or false"),
+    ("regex empty", {SO: {"regex": ""}}, f"{SO}.regex: must not be empty"),
+    ("regex not a string", {SO: {"regex": ["a"]}}, f"{SO}.regex: must be a string"),
+    ("choice empty", {SO: {"choice": []}}, f"{SO}.choice: must not be empty"),
+    ("choice empty string", {SO: {"choice": ["a", ""]}}, f"{SO}.choice[1]: must not be empty"),
+    ("choice a string", {SO: {"choice": "a"}}, f"{SO}.choice: must be a list"),
+    ("choice not strings", {SO: {"choice": [1]}}, f"{SO}.choice[0]: must be a string"),
+    ("grammar empty", {SO: {"grammar": ""}}, f"{SO}.grammar: must not be empty"),
+    (
+        "whitespace unknown",
+        {SO: {"json_object": True, "whitespace": "none"}},
+        f"{SO}.whitespace: must be one of 'compact' or 'flexible'",
+    ),
     ("stream string", {"stream": "yes"}, "stream: must be true or false"),
     ("stream int", {"stream": 1}, "stream: must be true or false"),
     ("priority float", {"priority": 1.0}, "priority: must be an integer"),
@@ -292,7 +337,7 @@ def test_defaults_follow_the_contract():
     )
     assert (s.repetition_penalty, s.presence_penalty, s.frequency_penalty) == (1.0, 0.0, 0.0)
     assert s.seed is None and s.stop == [] and s.stop_token_ids == [] and s.ignore_eos is False
-    assert s.logprobs is None
+    assert s.logprobs is None and s.structured_outputs is None
 
 
 def test_int_given_for_float_stays_a_float():
@@ -333,3 +378,43 @@ def test_python_construction_is_strict_too():
     with pytest.raises(ValueError):
         Job(job_id="a", prompt="p", sampling=Sampling(), stream=1)
     assert Job(job_id="a", prompt="p").sampling == Sampling()
+
+
+def test_a_constraint_keeps_its_form_and_key_order_on_the_wire():
+    schema = {"type": "object", "properties": {"z": {"type": "integer"}, "a": {"type": "string"}}}
+    for given in (schema, json.dumps(schema)):
+        body = {"job_id": "a", "prompt": "p", "sampling": {"structured_outputs": {"json": given}}}
+        job = decode_job(json.dumps(body))
+        assert job.sampling.structured_outputs.json == given and job.sampling.structured_outputs.kind == "json"
+        sent = json.loads(job.to_json_bytes())["sampling"]["structured_outputs"]
+        assert sent == {"json": given}  # defaults left implicit, the schema as written
+        if isinstance(given, dict):
+            assert list(sent["json"]["properties"]) == ["z", "a"]
+
+
+def test_the_constraint_is_part_of_a_backfill_jobs_identity():
+    from tools.backfill.jobs import JobSpec
+
+    def fp(constraint=None, **sampling):
+        if constraint is not None:
+            sampling["structured_outputs"] = constraint
+        return JobSpec(prompt_template="Q: {text}", model="m", sampling=sampling).fingerprint()
+
+    two = {"type": "object", "properties": {"label": {"enum": ["a", "b"]}, "why": {"type": "string"}}}
+    reordered = {"type": "object", "properties": {"why": {"type": "string"}, "label": {"enum": ["a", "b"]}}}
+    prints = [
+        fp(),
+        fp({"json": SCHEMA}),
+        fp({"json": two}),
+        fp({"json": reordered}),  # key order decides the order the output writes keys in
+        fp({"json": SCHEMA, "whitespace": "flexible"}),
+        fp({"json_object": True}),
+        fp({"regex": "[ab]"}),
+        fp({"choice": ["a", "b"]}),
+        fp({"choice": ["b", "a"]}),
+        fp({"grammar": 'start: "a" | "b"'}),
+    ]
+    assert len(set(prints)) == len(prints)  # jobs differing only in their constraint: other ids
+    assert fp() == fp(structured_outputs=None)  # no constraint: the ids of before
+    assert fp({"json": SCHEMA}) == fp({"json": SCHEMA, "whitespace": "compact"})  # an explicit default
+    assert fp({"json": SCHEMA}) == fp({"json": json.dumps(SCHEMA, indent=2)})  # a schema or its text

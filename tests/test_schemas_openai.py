@@ -34,6 +34,10 @@ def comp(**body) -> dict:
     return line({"model": "tiny-llama", "prompt": "Once upon", **body}, url=COMP)
 
 
+def schema_format(**spec) -> dict:
+    return chat(response_format={"type": "json_schema", "json_schema": spec})
+
+
 def rejected(obj) -> JobDecodeError:
     with pytest.raises(JobDecodeError) as exc:
         job_from_openai_batch_line(obj)
@@ -169,7 +173,27 @@ def test_harmless_fields_are_ignored():
         (comp(best_of=3), "body.best_of: best_of > 1 is not supported"),
         (chat(stream=True), "body.stream: streaming is not part of a batch request"),
         (chat(tools=[{"type": "function"}]), "body.tools: tool and function calling are not supported"),
-        (chat(response_format={"type": "json_object"}), 'body.response_format: only {"type": "text"}'),
+        (chat(response_format="json"), "body.response_format: must be an object"),
+        (chat(response_format={"type": "xml"}), "body.response_format.type: must be one of text, json_object"),
+        (chat(response_format={}), "body.response_format.type: must be one of text, json_object, json_schema"),
+        (chat(response_format={"type": "json_schema"}), "body.response_format.json_schema: required"),
+        (schema_format(name="x"), "body.response_format.json_schema.schema: required"),
+        (schema_format(name="x", schema="{}"), "body.response_format.json_schema.schema: must be a JSON Schema"),
+        (schema_format(schema={}), "body.response_format.json_schema.name: required"),
+        (schema_format(name="x", schema={}, strict=1), "body.response_format.json_schema.strict: must be true or"),
+        (schema_format(name="x", schema={}, x=1), "body.response_format.json_schema.x: unknown field"),
+        (
+            chat(response_format={"type": "json_object", "json_schema": {"name": "x", "schema": {}}}),
+            "body.response_format.json_schema: not a field of type json_object",
+        ),
+        (chat(response_format={"type": "text", "strict": True}), "body.response_format.strict: not a field of"),
+        (
+            chat(response_format={"type": "json_object"}, structured_outputs={"regex": "a"}),
+            "body.response_format, body.structured_outputs: both given",
+        ),
+        (chat(structured_outputs={"regex": ""}), "body.structured_outputs.regex: must not be empty"),
+        (chat(structured_outputs={"structural_tag": "{}"}), "body.structured_outputs.structural_tag: unknown"),
+        (chat(structured_outputs={"json": "{"}), "body.structured_outputs.json: not JSON"),
         (chat(logit_bias={"50256": -100}), "body.logit_bias: logit_bias is not supported"),
         (comp(echo=True), "body.echo: echo is not supported"),
         (comp(suffix="end"), "body.suffix: suffix (insertion) is not supported"),
@@ -347,27 +371,75 @@ def test_ok_output_needs_a_known_url():
         openai_batch_output_line(result(), "/v1/embeddings")
 
 
+# --- response_format -> sampling.structured_outputs -----------------------------------------------
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}}, "required": ["name"]}
+
+
+@pytest.mark.parametrize("strict", [True, False, None, "absent"])
+@pytest.mark.parametrize("make", [chat, comp])
+def test_json_schema_response_format_becomes_a_json_constraint(strict, make):
+    spec = {"name": "person", "description": "a person", "schema": SCHEMA}
+    if strict != "absent":
+        spec["strict"] = strict
+    job = job_from_openai_batch_line(make(response_format={"type": "json_schema", "json_schema": spec}))
+    so = job.sampling.structured_outputs
+    # strict changes nothing: the schema is enforced on every token either way.
+    assert so.model_dump(exclude_defaults=True) == {"json": SCHEMA} and so.whitespace == "compact"
+
+
+def test_json_object_response_format():
+    so = job_from_openai_batch_line(chat(response_format={"type": "json_object"})).sampling.structured_outputs
+    assert so.model_dump(exclude_defaults=True) == {"json_object": True}
+
+
+@pytest.mark.parametrize("value", [{"type": "text"}, None])
+def test_text_response_format_is_no_constraint(value):
+    job = job_from_openai_batch_line(chat(response_format=value))
+    assert job.sampling.structured_outputs is None and job == job_from_openai_batch_line(chat())
+
+
+def test_vllm_structured_outputs_field():
+    job = job_from_openai_batch_line(comp(structured_outputs={"choice": ["yes", "no"]}))
+    assert job.sampling.structured_outputs.choice == ["yes", "no"]
+
+
+def test_a_mapped_constraint_keeps_its_wire_form():
+    from schemas import decode_job
+
+    rf = {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA}}
+    job = job_from_openai_batch_line(chat(response_format=rf))
+    assert json.loads(job.to_json_bytes())["sampling"] == {"structured_outputs": {"json": SCHEMA}}
+    assert decode_job(job.to_json_bytes()) == job  # what `produce` sends decodes to the same job
+
+
 # --- the rename table ----------------------------------------------------------------------------
 
 # A value each sampling path takes, to send under every body name that maps to it.
 _SAMPLE_VALUES = {
     "max_tokens": 7, "temperature": 0.25, "top_p": 0.5, "presence_penalty": 0.5, "frequency_penalty": -0.5,
     "seed": 11, "stop": ["x"], "logprobs": 3, "top_k": 4, "min_p": 0.2, "repetition_penalty": 1.3,
-    "min_tokens": 2, "stop_token_ids": [9], "ignore_eos": True,
+    "min_tokens": 2, "stop_token_ids": [9], "ignore_eos": True, "structured_outputs": {"regex": "[a-z]+"},
 }
+# Body fields whose value changes shape on the way (tested on their own above).
+_RESHAPED = ("logprobs", "top_logprobs", "response_format")
+
+
+def _as_sent(value):
+    return value.model_dump(exclude_defaults=True) if hasattr(value, "model_dump") else value
 
 
 def test_every_sampling_rename_comes_from_the_one_table():
     from schemas.openai_batch import BODY_TO_JOB, COMPLETIONS
 
     for body_name, (path, endpoints) in BODY_TO_JOB.items():
-        if not path.startswith("sampling.") or body_name in ("logprobs", "top_logprobs"):
+        if not path.startswith("sampling.") or body_name in _RESHAPED:
             continue
         target = path.removeprefix("sampling.")
         value = _SAMPLE_VALUES[target]
         make = comp if endpoints == COMPLETIONS else chat
         job = job_from_openai_batch_line(make(**{body_name: value}))
-        assert getattr(job.sampling, target) == value, body_name
+        assert _as_sent(getattr(job.sampling, target)) == value, body_name
         # A bad value is reported under the OpenAI name, not the Job's.
         bad = 5 if target == "stop" else "bad"  # a stop string alone is a valid stop
         assert f"body.{body_name}" in rejected(make(**{body_name: bad})).message

@@ -14,6 +14,7 @@ from typing import Any, cast
 from schemas import (
     ERROR_CODES,
     ERROR_INTERNAL,
+    ERROR_INVALID_CONSTRAINT,
     ERROR_INVALID_JOB,
     ERROR_PROMPT_TOO_LONG,
     STATUS_ERROR,
@@ -46,7 +47,8 @@ def job_to_engine_request(
     run two executions of one job at once must pass distinct ids, e.g. the attempt id);
     ``arrival_time`` (unix seconds) defaults to now."""
     # The wire's Sampling and the engine's SamplingParams have the same fields (a test holds them
-    # equal), so the mapping is by name; model_dump copies the lists.
+    # equal), so the mapping is by name; model_dump copies the lists. structured_outputs comes as
+    # a dict (or None), which SamplingParams turns into StructuredOutputsParams.
     sampling = SamplingParams(**job.sampling.model_dump())
     return EngineRequest(
         request_id=job.job_id if request_id is None else request_id,
@@ -95,6 +97,7 @@ ENGINE_ERROR_CODES: dict[ErrorKind, ErrorCode] = {
     ErrorKind.PROMPT_TOO_LONG: ERROR_PROMPT_TOO_LONG,
     ErrorKind.INVALID_REQUEST: ERROR_INVALID_JOB,
     ErrorKind.INTERNAL: ERROR_INTERNAL,
+    ErrorKind.INVALID_CONSTRAINT: ERROR_INVALID_CONSTRAINT,
 }
 
 

@@ -9,8 +9,8 @@ jobs (worker/runtime/engine_thread.py). For a delta of a job still in flight:
    in a task of its own: its TokenEvents are confirmed (acknowledged by the broker) first, then
    answers.finished builds its answer (cut down where the results topic's size limit requires;
    counted), which goes to delivery. An engine error that makes the input bad after all (prompt
-   too long, token ids outside the vocabulary) is counted once more by the bad-input guard: the
-   guard errs towards stopping, never towards missing.
+   too long, token ids outside the vocabulary, a constraint that does not compile) is counted
+   once more by the bad-input guard: the guard errs towards stopping, never towards missing.
 
 Deltas of jobs no longer in flight (aborted: revoked partition, shutdown) are dropped.
 """
@@ -33,7 +33,7 @@ from worker.kafka.types import Answer, InFlightJob
 from worker.metrics import WorkerMetrics
 
 # The engine errors that say the input itself is bad (the others are failures of the worker).
-_BAD_INPUT_KINDS = (ErrorKind.PROMPT_TOO_LONG, ErrorKind.INVALID_REQUEST)
+_BAD_INPUT_KINDS = (ErrorKind.PROMPT_TOO_LONG, ErrorKind.INVALID_REQUEST, ErrorKind.INVALID_CONSTRAINT)
 
 
 @dataclass(eq=False)
