@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import boto3
+import jsonschema
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -235,3 +236,81 @@ def test_cli_csv_messages_column_to_local_parquet(tmp_path, tiny_llama_dir, caps
     # Bad arguments are refused before anything runs.
     assert main([*args, "--prompt-column", "id"]) == 2
     assert "exactly one of" in capsys.readouterr().err
+
+
+LABEL_SCHEMA = {
+    "type": "object",
+    "properties": {"label": {"enum": ["bug", "question", "praise"]},
+                   "score": {"type": "integer", "minimum": 0, "maximum": 9},
+                   "tags": {"type": "array", "items": {"type": "string", "pattern": "^[a-z]{1,8}$"}, "maxItems": 2}},
+    "required": ["label", "score", "tags"],
+    "additionalProperties": False,
+}
+
+
+def test_cli_refuses_bad_constraint_options_before_anything_runs(tmp_path, capsys):
+    from worker.cli import main
+
+    inp = _write_jsonl(tmp_path / "in.jsonl", _rows(2))
+    (tmp_path / "schema.json").write_text(json.dumps(LABEL_SCHEMA))
+    (tmp_path / "broken.json").write_text("{'type': 'object'}")
+    (tmp_path / "text.json").write_text('"an object, please"')
+    (tmp_path / "pattern.json").write_text(json.dumps({"type": "string", "pattern": "(unclosed"}))
+    (tmp_path / "ref.json").write_text(json.dumps({"$ref": "#/$defs/nope"}))
+    base = ["backfill", "--engine", "local", "--model", str(tmp_path / "no-model"), "--input", str(inp),
+            "--output", str(tmp_path / "out.jsonl"), "--prompt-column", "text", "--no-progress"]
+    for extra, message in (
+        (["--json-schema", str(tmp_path / "missing.json")], "--json-schema: no such file"),
+        (["--json-schema", str(tmp_path / "broken.json")], "broken.json is not JSON"),
+        (["--json-schema", str(tmp_path / "text.json")], "holds a JSON string, not a JSON Schema object"),
+        (["--json-schema", str(tmp_path / "schema.json"), "--choice", "a"], "exclusive"),
+        (["--choice", "a", "--whitespace", "flexible"], "--whitespace goes with --json-schema"),
+        (["--choice", "a", "--sampling", '{"structured_outputs": {"regex": "a"}}'], "give the constraint once"),
+        (["--sampling", '{"structured_outputs": {"json": "[1]"}}'], "structured_outputs.json"),
+        # Shaped right, but the matcher refuses it: it would fail every row, so the run stops first.
+        (["--json-schema", str(tmp_path / "pattern.json")], "does not compile: invalid json constraint: regex parse error"),
+        (["--json-schema", str(tmp_path / "ref.json")], "does not compile: invalid json constraint: Pointer '/$defs/nope' does not exist"),
+        (["--sampling", '{"structured_outputs": {"grammar": "start: nothing_here"}}'], "unknown name"),
+    ):
+        assert main([*base, *extra]) == 2, extra
+        assert message in capsys.readouterr().err, extra
+    assert not (tmp_path / "out.jsonl").exists() and not (tmp_path / "out.jsonl.state.sqlite").exists()
+
+
+def test_local_backfill_with_a_json_schema_or_choices_fills_the_parsed_column(tmp_path, tiny_llama_dir, capsys):
+    """Every row whose output ended with finish_reason stop has a parsed value that validates
+    (or is one of the choices); a row cut by max_tokens gets null there and keeps its raw text."""
+    from worker.cli import main
+
+    inp = _write_jsonl(tmp_path / "in.jsonl", _rows(6))
+    schema = tmp_path / "label.json"
+    schema.write_text(json.dumps(LABEL_SCHEMA))
+    base = ["backfill", "--engine", "local", "--model", str(tiny_llama_dir), "--input", str(inp),
+            "--prompt-template", "Label this issue as JSON: {text}", "--key-column", "id", "--no-progress",
+            "--temperature", "0"]
+    out = tmp_path / "labels.jsonl"
+    assert main([*base, "--output", str(out), "--json-schema", str(schema), "--max-tokens", "64"]) == 0
+    rows = _read_jsonl(out)
+    assert [r["finish_reason"] for r in rows] == ["stop"] * 6  # the grammar bounds the output
+    for r in rows:
+        jsonschema.validate(r["parsed"], LABEL_SCHEMA)
+        assert json.loads(r["text"]) == r["parsed"] and " " not in r["text"]  # compact whitespace
+    assert "parsed 6, unparsed 0" in capsys.readouterr().err
+
+    # Cut short: the same rows under a new id (max_tokens is part of it), null parsed, raw text kept.
+    cut = tmp_path / "cut.parquet"
+    assert main([*base, "--output", str(cut), "--json-schema", str(schema), "--max-tokens", "3"]) == 0
+    table = pq.read_table(cut).to_pylist()
+    assert [r["finish_reason"] for r in table] == ["length"] * 6 and all(r["parsed"] is None for r in table)
+    assert all(r["text"].startswith('{"') for r in table)
+    assert not {r["job_id"] for r in table} & {r["job_id"] for r in rows}
+    assert "parsed 0, unparsed 6" in capsys.readouterr().err
+
+    labels = tmp_path / "choices.parquet"
+    choices = ["bug report", "question", "praise"]
+    args = [*base, "--output", str(labels), "--max-tokens", "8", "--summary-json", str(tmp_path / "s.json")]
+    assert main([*args, *[a for c in choices for a in ("--choice", c)]]) == 0
+    table = pq.read_table(labels).to_pylist()
+    assert all(r["finish_reason"] == "stop" and r["parsed"] in choices and r["parsed"] == r["text"] for r in table)
+    summary = json.loads((tmp_path / "s.json").read_text())
+    assert (summary["ok"], summary["parsed"], summary["unparsed"]) == (6, 6, 0)

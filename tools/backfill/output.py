@@ -3,7 +3,11 @@
 Formats:
 - `jsonl` / `parquet`: columns row, key, job_id, status, text, finish_reason, usage
   {prompt_tokens, completion_tokens, cached_prompt_tokens}, latency_ms (submit -> result received,
-  as the backfill saw it), engine_ms (the worker's own arrival -> finish), error_code, error_message.
+  as the backfill saw it), engine_ms (the worker's own arrival -> finish), error_code, error_message;
+  with a json, json_object or choice constraint also `parsed` (constraints.py): in JSONL the parsed
+  JSON value itself (or the label), in Parquet a string column holding it as compact JSON text (or
+  the label), since one schema-free column type has to fit every schema; null where the output
+  did not parse.
 - `openai`: OpenAI Batch output lines (`id`, `custom_id`, `response`, `error`), JSONL.
 """
 
@@ -13,13 +17,14 @@ import json
 from pathlib import Path
 from typing import Any
 
+from tools.backfill.constraints import OutputParser
 from tools.backfill.store import ResultStore, StoredRow
 
 OUTPUT_FORMATS = ("jsonl", "parquet", "openai")
 _PARQUET_ROWS_PER_GROUP = 8192
 
 
-def output_row(stored: StoredRow) -> dict[str, Any]:
+def output_row(stored: StoredRow, parser: OutputParser | None = None) -> dict[str, Any]:
     result = stored.result or {}
     usage = result.get("usage") or {}
     error = result.get("error") or {}
@@ -28,7 +33,7 @@ def output_row(stored: StoredRow) -> dict[str, Any]:
     sub, rec = stored.submitted_at, stored.received_at
     if sub is not None and rec is not None and rec >= sub:
         latency = round((rec - sub) * 1000.0, 3)
-    return {
+    row = {
         "row": stored.row,
         "key": stored.key,
         "job_id": stored.job_id,
@@ -45,9 +50,12 @@ def output_row(stored: StoredRow) -> dict[str, Any]:
         "error_code": error.get("code"),
         "error_message": error.get("message"),
     }
+    if parser is not None:
+        row["parsed"] = parser.value(result)
+    return row
 
 
-def _parquet_schema():
+def _parquet_schema(parsed: bool):
     import pyarrow as pa
 
     return pa.schema(
@@ -65,13 +73,15 @@ def _parquet_schema():
             ("error_code", pa.string()),
             ("error_message", pa.string()),
         ]
+        + ([("parsed", pa.string())] if parsed else [])
     )
 
 
-def write_output(store: ResultStore, path: Path, fmt: str) -> int:
+def write_output(store: ResultStore, path: Path, fmt: str, parser: OutputParser | None = None) -> int:
     """Write every row of the store to a local file; return the number of rows written.
 
     Every row must have a result (the caller checks); a row without one is a bug, not a blank line.
+    With a parser, the jsonl and parquet rows get the `parsed` column (the parser counts them).
     """
     if fmt not in OUTPUT_FORMATS:
         raise ValueError(f"unknown output format {fmt!r}; expected one of {', '.join(OUTPUT_FORMATS)}")
@@ -81,13 +91,16 @@ def write_output(store: ResultStore, path: Path, fmt: str) -> int:
         import pyarrow as pa
         import pyarrow.parquet as pq
 
-        schema = _parquet_schema()
+        schema = _parquet_schema(parser is not None)
         buf: list[dict] = []
         with pq.ParquetWriter(str(path), schema) as writer:
             for stored in store.iter_output():
                 _check(stored, expected_row)
                 expected_row += 1
-                buf.append(output_row(stored))
+                row = output_row(stored, parser)
+                if parser is not None:
+                    row["parsed"] = parser.column_text(row["parsed"])
+                buf.append(row)
                 if len(buf) >= _PARQUET_ROWS_PER_GROUP:
                     writer.write_table(pa.Table.from_pylist(buf, schema=schema))
                     written += len(buf)
@@ -108,7 +121,7 @@ def write_output(store: ResultStore, path: Path, fmt: str) -> int:
                     Result.model_validate(stored.result), "/v1/chat/completions" if stored.chat else "/v1/completions"
                 )
             else:
-                line = output_row(stored)
+                line = output_row(stored, parser)
             f.write(json.dumps(line, ensure_ascii=False) + "\n")
             written += 1
     return written

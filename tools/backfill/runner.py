@@ -23,6 +23,7 @@ from tools.backfill.config import (
     default_state_path,
     output_format_for,
 )
+from tools.backfill.constraints import OutputParser, check_compiles
 from tools.backfill.datasets import count_rows, detect_format
 from tools.backfill.identity import job_id_prefix
 from tools.backfill.output import write_output
@@ -78,6 +79,7 @@ async def run_backfill(cfg: BackfillConfig) -> Summary:
     from worker.storage import local_input, local_output
 
     started = time.monotonic()
+    check_compiles(cfg.spec.sampling)  # a constraint that fails every row fails the run instead
     out_fmt = output_format_for(cfg.output, cfg.output_format)
     state_path = Path(cfg.state) if cfg.state else default_state_path(cfg.output)
     dataset_id = dataset_identity(cfg.input, cfg.dataset_id)
@@ -118,8 +120,11 @@ async def run_backfill(cfg: BackfillConfig) -> Summary:
                 "rerun the same command to resume"
             )
         store.prune_results()
+        parser = OutputParser.for_sampling(cfg.spec.sampling) if out_fmt != "openai" else None
         with local_output(cfg.output) as tmp:
-            written = write_output(store, tmp, out_fmt)
+            written = write_output(store, tmp, out_fmt, parser)
+        if parser is not None:
+            summary.parsed, summary.unparsed = parser.parsed, parser.unparsed
         if written != store.row_count():
             raise RuntimeError(f"wrote {written} rows for {store.row_count()} input rows")
         summary.output = cfg.output

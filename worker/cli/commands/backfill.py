@@ -45,6 +45,12 @@ def register(subparsers) -> None:
     gen.add_argument("--seed", type=int)
     gen.add_argument("--stop", action="append", help="a stop string (repeatable)")
     gen.add_argument("--sampling", help="any other sampling fields as a JSON object")
+    gen.add_argument("--json-schema", metavar="FILE",
+                     help="constrain every output to this JSON Schema (a local file); adds the parsed column")
+    gen.add_argument("--choice", action="append", metavar="LABEL",
+                     help="constrain every output to one of these labels (repeat: --choice yes --choice no)")
+    gen.add_argument("--whitespace", choices=("compact", "flexible"),
+                     help="with --json-schema: no free whitespace (compact, the default) or short runs")
     gen.add_argument("--priority", type=int, default=0)
     gen.add_argument("--tenant")
     run = p.add_argument_group("run")
@@ -80,7 +86,9 @@ def _sampling(args: argparse.Namespace) -> dict:
         value = getattr(args, name)
         if value is not None:
             sampling[name] = value
-    return sampling
+    from tools.backfill.constraints import constraint_from_options, with_constraint
+
+    return with_constraint(sampling, constraint_from_options(args.json_schema, args.choice, args.whitespace))
 
 
 def handle(args: argparse.Namespace) -> int:

