@@ -36,7 +36,7 @@ class CompileEntry:
     future: Future
     submitted: float  # time.monotonic() of the first submission
     failure: str | None = None  # set once the compile failed or ran past the time limit
-    timed_out: bool = False
+    ended: float | None = None  # time.monotonic() when the compile ended
 
 
 @dataclass
@@ -66,14 +66,14 @@ class ConstraintCompiler:
                 self._cache.move_to_end(key)
                 return entry
             entry = CompileEntry(Future(), time.monotonic())
-            threading.Thread(target=self._run, args=(params, entry.future), name="constraint-compile",
+            threading.Thread(target=self._run, args=(params, entry), name="constraint-compile",
                              daemon=True).start()
             self._cache[key] = entry
             while len(self._cache) > CACHE_ENTRIES:
                 self._cache.popitem(last=False)
             return entry
 
-    def _run(self, params: StructuredOutputsParams, future: Future) -> None:
+    def _run(self, params: StructuredOutputsParams, entry: CompileEntry) -> None:
         with self._slots:
             t0 = time.perf_counter()
             grammar = error = None
@@ -82,27 +82,27 @@ class ConstraintCompiler:
             except BaseException as exc:  # the reason goes to the requests; nothing escapes a thread
                 error = exc
             self.on_compile(time.perf_counter() - t0)  # before the outcome: counted when it is seen
+            entry.ended = time.monotonic()
             if error is not None:
-                future.set_exception(error)
+                entry.future.set_exception(error)
             else:
-                future.set_result(grammar)
+                entry.future.set_result(grammar)
 
     def outcome(self, entry: CompileEntry, now: float | None = None) -> CompileOutcome | None:
         """The grammar or the failure of a compile; None while it runs within its time limit."""
         if entry.failure is not None:
             return CompileOutcome(error=entry.failure)
-        if not entry.future.done():
-            now = time.monotonic() if now is None else now
-            if now - entry.submitted < self.timeout_s:
-                return None
-            entry.timed_out = True
+        done = entry.future.done()
+        if done and entry.future.exception() is not None:  # the library's own reason, however late
+            exc = entry.future.exception()
+            entry.failure = str(exc) if isinstance(exc, ConstraintError) else f"the constraint failed to compile: {exc!r}"
+            return CompileOutcome(error=entry.failure)
+        # A compile that ended past the limit fails too, even when first looked at afterwards.
+        end = entry.ended if done else (time.monotonic() if now is None else now)
+        if end - entry.submitted >= self.timeout_s:
             entry.failure = f"compiling the constraint took longer than the {self.timeout_s:g} s limit"
             return CompileOutcome(error=entry.failure)
-        exc = entry.future.exception()
-        if exc is None:
-            return CompileOutcome(grammar=entry.future.result())
-        entry.failure = str(exc) if isinstance(exc, ConstraintError) else f"the constraint failed to compile: {exc!r}"
-        return CompileOutcome(error=entry.failure)
+        return CompileOutcome(grammar=entry.future.result()) if done else None
 
     def wait_any(self, entries: list[CompileEntry], timeout_s: float) -> None:
         """Block until one of the running compiles ends or `timeout_s` passes (an idle engine's wait)."""

@@ -75,14 +75,16 @@ class LLGuidanceBackend:
         return grammar.deep_copy()
 
     def fill_bitmask(self, matchers: Sequence[tuple[Any, int]], bitmask: torch.Tensor) -> None:
-        from llguidance.torch import fill_next_token_bitmask_par
-
         if self._executor is None:
             from llguidance import LLExecutor
 
             self._executor = LLExecutor()
-        # The executor fills the rows on its own threads with the GIL released.
-        fill_next_token_bitmask_par(self._executor, list(matchers), bitmask)
+        # The executor fills the rows on its own threads with the GIL released. (Called directly:
+        # llguidance.torch's wrapper module runs torch.compile at import, seconds in a first step.)
+        if bitmask.dtype != torch.int32 or bitmask.device.type != "cpu" or not bitmask.is_contiguous():
+            raise ValueError("the bitmask must be a contiguous int32 CPU tensor")
+        rows, words = bitmask.shape
+        self._executor.unsafe_compute_mask_ptr(list(matchers), bitmask.data_ptr(), words * 4, rows)
 
     def accept(self, matcher: Any, token_id: int) -> bool:
         return bool(matcher.consume_token(token_id))
