@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
+from tools.structured_workload import whitespace_runs  # noqa: F401 (the tests import it from here)
 from worker.engine.types import EngineRequest, FinishReason, SamplingParams, StructuredOutputsParams
 
 # -- model, tokenizers -------------------------------------------------------------------------------
@@ -207,29 +208,6 @@ def chat_prompt_ids(model_dir, user: str, system: str | None = None) -> list[int
 
 
 # -- validity of an output ---------------------------------------------------------------------------
-
-
-def whitespace_runs(text: str) -> list[int]:
-    """Lengths of the whitespace runs outside JSON string literals (compact JSON has none). The
-    text need not be complete JSON: an output cut by max_tokens is read as far as it goes."""
-    runs, run, in_string, escaped = [], 0, False, False
-    for ch in text:
-        if in_string:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
-                in_string = False
-            continue
-        if ch in " \t\r\n":
-            run += 1
-            continue
-        if run:
-            runs.append(run)
-        run = 0
-        in_string = ch == '"'
-    return runs + [run] if run else runs
 
 
 def output_problem(constraint: StructuredOutputsParams, text: str, model_dir=None,

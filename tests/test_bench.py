@@ -38,6 +38,39 @@ def test_bench_writes_report(tmp_path, tiny_llama_dir, workload, requests, capsy
     assert "ratio" in capsys.readouterr().out
 
 
+STRUCTURED_FIELDS = {
+    "step_overhead_fraction", "mask_ms_p50", "mask_ms_p99", "compile_ms_p50", "compile_ms_p99", "valid_fraction",
+    "whitespace_runs", "stop", "length", "constrained_output_tok_s", "unconstrained_output_tok_s",
+}
+
+
+def test_bench_structured_constrains_every_row_and_compares_it_with_the_same_rows_unconstrained(
+        tmp_path, tiny_llama_dir, capsys):
+    out = tmp_path / "structured.json"
+    code = main(["bench", "--workload", "structured", "--model", str(tiny_llama_dir), "--requests", "8",
+                 "--repeats", "2", "--kv-cache-gb", "0.05", "--json", str(out)])
+    assert code == 0
+    report = json.loads(out.read_text())
+    assert STRUCTURED_FIELDS <= set(report)
+    assert report["workload"] == "structured" and report["requests"] == 8 and report["peak_running"] == 8
+    # One compile per schema (8 requests, one of each; the second constrained pass finds them all in
+    # the compile cache), every constraint compiled, every row masked; greedy repeats give equal tokens.
+    assert report["repeats"] == 2 and report["repeat_outputs_equal"] is True
+    assert len(report["step_overhead_fraction_pairs"]) == 2
+    assert report["compiles"] == 8 and report["constraint_failures"] == 0 and report["other_finish"] == 0
+    assert report["mask_steps"] > 0 and 0 < report["mask_ms_p50"] <= report["mask_ms_p99"]
+    assert 0 < report["compile_ms_p50"] <= report["compile_ms_p99"]
+    # Every output that reached the end of its grammar parses and validates, none is padded.
+    assert report["stop"] + report["length"] == 8 and report["stop"] >= 1
+    assert report["valid"] == report["stop"] and report["valid_fraction"] == 1.0
+    assert report["whitespace_runs"] == 0 and report["problems"] == []
+    assert report["step_ms_constrained"] > 0 and report["step_ms_unconstrained"] > 0
+    assert report["step_overhead_fraction"] == pytest.approx(
+        report["step_ms_constrained"] / report["step_ms_unconstrained"] - 1)
+    assert report["peak_decode_steps_constrained"] >= 1 and report["peak_decode_steps_unconstrained"] >= 1
+    assert "step overhead at peak" in capsys.readouterr().out
+
+
 @pytest.mark.kafka
 def test_bench_kafka_workload_is_reachable_from_the_cli(tmp_path, tiny_llama_dir, kafka_bootstrap):
     out = tmp_path / "kafka.json"

@@ -48,8 +48,22 @@ def test_dry_run_writes_a_complete_report_without_kafka_pydantic_or_boto3(tmp_pa
     assert mixed["engine_output_tok_s"] > 0 and mixed["baseline_output_tok_s"] > 0 and mixed["baseline_batch"] in (2, 4)
     thr = sections["throughput"]
     assert thr["sequences"] == 4 and thr["output_tokens"] > 0 and 0 < thr["fraction_of_ceiling"] < 1
+    st = sections["structured"]
+    assert st["requests"] == 8 and st["peak_running"] == 8 and st["compiles"] == 8 and st["mask_steps"] > 0
     md = (tmp_path / "gpu_check.md").read_text()
     assert "| throughput | yes |" in md and "## kernels" in md
+
+
+def test_structured_section_measures_constrained_rows_against_the_same_rows_unconstrained(tmp_path):
+    rc = gpu_check.main(["--dry-run", "--out", str(tmp_path), "--only", "structured"])
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    st = report["sections"]["structured"]
+    assert rc == 0 and st["ok"], st.get("error", st.get("problems"))
+    assert st["requests"] == 8 and st["peak_running"] == 8 and st["compiles"] == 8
+    assert st["valid"] == st["stop"] and st["whitespace_runs"] == 0 and st["constraint_failures"] == 0
+    assert st["mask_steps"] > 0 and st["step_ms_constrained"] > 0 and st["step_ms_unconstrained"] > 0
+    assert st["cuda_graphs"] == "eager" and st["async_scheduling"] is True
+    assert "| structured | yes |" in (tmp_path / "gpu_check.md").read_text()
 
 
 def test_a_failing_section_does_not_lose_the_others(tmp_path, monkeypatch):

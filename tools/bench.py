@@ -1,10 +1,13 @@
-"""Engine benchmarks: `mixed` (vs transformers generate) and `prefix` (vs the engine without its cache).
+"""Engine benchmarks: `mixed` (vs transformers generate), `prefix` (vs the engine without its cache)
+and `structured` (constrained vs unconstrained, tools/bench_structured.py).
 
 - mixed:  256 requests, prompt 16-512 tokens, output 16-256 tokens (ignore_eos), fixed seed.
           Baseline: transformers `generate` with the best static batch of {8, 32, 64}, left padding,
           same weights, same process, run right after the engine.
 - prefix: 128 requests sharing a 512-token prefix plus 32 unique tokens, 32 output tokens each.
           Baseline: the same engine with prefix caching off.
+- structured: 256 requests over 8 JSON schemas, every row constrained, against the same requests
+          unconstrained with the same output lengths (tools/bench_structured.py has its method).
 
 Throughput is requested output tokens per second of wall time, from the moment all requests are
 handed over to the moment the last finishes (model loading and a short warm-up excluded, for both
@@ -24,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-WORKLOADS = ("mixed", "prefix")
+WORKLOADS = ("mixed", "prefix", "structured")
 BASELINE_BATCHES = (8, 32, 64)
 CALIBRATION_REQUESTS = 64
 
@@ -254,7 +257,10 @@ def run_bench(
     seed: int = 0,
     engine_options: dict[str, Any] | None = None,
     full_sweep: bool = False,
+    repeats: int = 3,
 ) -> dict[str, Any]:
+    """One workload's report; `repeats` is the structured workload's number of (constrained,
+    unconstrained) pairs of passes."""
     if workload not in WORKLOADS:
         raise ValueError(f"unknown workload {workload!r}; choose one of {', '.join(WORKLOADS)}")
     from worker.engine.model_config import load_model_config
@@ -263,6 +269,8 @@ def run_bench(
     options = dict(engine_options or {})
     mc = load_model_config(model_dir)
     special = set(mc.eos_token_ids)
+    if workload == "structured":
+        return _structured_report(model, model_dir, mc, num_requests or 256, seed, options, repeats)
     if workload == "mixed":
         work = mixed_workload(mc.vocab_size, num_requests or 256, seed, special)
     else:
@@ -313,7 +321,26 @@ def run_bench(
     return report
 
 
+def _structured_report(model: str, model_dir: Path, mc, num_requests: int, seed: int,
+                       options: dict[str, Any], repeats: int) -> dict[str, Any]:
+    from tools.bench_structured import run_structured
+    from tools.structured_workload import structured_workload
+
+    work = structured_workload(mc.vocab_size, num_requests, seed, special=set(mc.eos_token_ids))
+    need = max(len(p) for p in work.prompts) + work.max_tokens
+    if need > mc.max_model_len:
+        raise ValueError(f"the workload needs {need} positions; {model} allows {mc.max_model_len}")
+    report: dict[str, Any] = {"workload": "structured", "model": model}
+    report.update(run_structured(model_dir, work, options, repeats=repeats))
+    report["engine_options"] = dict(options)
+    return report
+
+
 def format_table(report: dict[str, Any]) -> str:
+    if report["workload"] == "structured":
+        from tools.bench_structured import format_structured_table
+
+        return format_structured_table(report)
     rows = [
         ("workload", report["workload"]),
         ("model", report["model"]),

@@ -17,14 +17,18 @@ one broken part never loses the others):
   throughput       256 sequences, input and output lengths uniform in [100, 1024], ignore_eos, on a
                    Llama-3.2-1B-shaped model: output tokens/s and its fraction of the roofline ceiling
                    (sum over decode steps of bytes read / copy bandwidth)
+  structured       the bench's `structured` workload on the same model: 256 rows constrained to 8 JSON
+                   schemas against the same rows unconstrained with the same lengths (step overhead at
+                   the peak batch, mask fill and compile percentiles, output validity; tools/bench_structured.py)
 
 What the sections share: sizes (GPU and dry-run sizes, model shapes), context (the Context a
 section gets, and run_section), timing, roofline (bytes a step reads, the ceiling), engine_path
 (the engine's GPU path, forced on, and what it ran), checkpoints (seeded random-weight models).
 report writes the markdown; runner holds the section list and main.
 
-Runs with torch, triton, transformers and safetensors only (no Kafka, pydantic or boto3): every
-heavy import is inside a function, so importing this package loads none of them. The report goes
+Runs with torch, triton, transformers and safetensors only (no Kafka, pydantic or boto3), plus
+llguidance and jsonschema for the `structured` section: every heavy import is inside a function, so
+importing this package loads none of them. The report goes
 to --out, else $OUT, else ./gpu_check_out. --dry-run takes the same code path on the CPU at toy
 sizes (Triton kernels under the interpreter) so the test suite keeps this command working.
 """

@@ -78,6 +78,12 @@ def headline(name: str, res: dict) -> str:
     if name == "mixed":
         return (f"engine {_fmt(res['engine_output_tok_s'])} tok/s vs transformers {_fmt(res['baseline_output_tok_s'])} "
                 f"(batch {res['baseline_batch']}): ratio {_fmt(res['ratio'])}; {_gpu_path_note(res)}")
+    if name == "structured":
+        return (f"{res['peak_running']} constrained rows: step {_fmt(res['step_ms_constrained'])} ms vs "
+                f"{_fmt(res['step_ms_unconstrained'])} ms unconstrained ({100 * res['step_overhead_fraction']:+.1f}%); "
+                f"mask p50/p99 {_fmt(res['mask_ms_p50'])}/{_fmt(res['mask_ms_p99'])} ms, compile p50/p99 "
+                f"{_fmt(res['compile_ms_p50'])}/{_fmt(res['compile_ms_p99'])} ms; valid {res['valid']}/{res['stop']} "
+                f"stop ({res['length']} length), whitespace runs {res['whitespace_runs']}; {_gpu_path_note(res)}")
     if name == "fidelity":
         def eq(key: str) -> str:
             return f"{res[key]['equal']}/{res[key]['of']}"

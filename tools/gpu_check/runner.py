@@ -25,6 +25,7 @@ from tools.gpu_check.kernel_checks import section_kernels
 from tools.gpu_check.mixed import section_mixed
 from tools.gpu_check.report import markdown_report
 from tools.gpu_check.sizes import dry_sizes, gpu_sizes
+from tools.gpu_check.structured import section_structured
 from tools.gpu_check.throughput import section_throughput
 
 DESCRIPTION = "One prepared command that measures tokenmill's GPU path and writes a JSON and a markdown report."
@@ -38,6 +39,7 @@ SECTIONS: list[tuple[str, Callable[[Context], dict]]] = [
     ("decode_step", section_decode_step),
     ("mixed", section_mixed),
     ("throughput", section_throughput),
+    ("structured", section_structured),
 ]
 
 

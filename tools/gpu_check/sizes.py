@@ -55,6 +55,10 @@ class Sizes:
     mixed_output_range: tuple[int, int] = (16, 256)
     baseline_batches: tuple[int, ...] = (8, 32, 64)
     baseline_probe: int = 64
+    # `structured` (structured-output issue, tools/bench_structured.py): requests over the 8 schemas,
+    # and the constrained pass's max_tokens
+    structured_requests: int = 256
+    structured_max_tokens: int = 256
     # fidelity: prompts (lengths in the range), greedy tokens each, on a small fp32 Llama
     fidelity_prompts: int = 32
     fidelity_prompt_range: tuple[int, int] = (8, 200)
@@ -76,6 +80,6 @@ def dry_sizes() -> Sizes:
         throughput_seqs=4, throughput_len_range=(4, 8),
         max_num_seqs=8, max_num_batched_tokens=256, kv_cache_gb=0.05,
         mixed_requests=4, mixed_prompt_range=(4, 20), mixed_output_range=(2, 4),
-        baseline_batches=(2, 4), baseline_probe=4,
+        baseline_batches=(2, 4), baseline_probe=4, structured_requests=8, structured_max_tokens=12,
         fidelity_prompts=3, fidelity_prompt_range=(3, 9), fidelity_tokens=3, fidelity_shape=dict(TOY_LLAMA),
     )
