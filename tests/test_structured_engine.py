@@ -4,6 +4,7 @@ while compiling, constrained rows keep steps synchronous, and the grammar's end 
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import threading
 import time
@@ -57,15 +58,27 @@ class _GatedCompile:
 
     def __init__(self, engine: Engine, monkeypatch) -> None:
         self.release = threading.Event()
+        self.returned = threading.Event()
         self.calls = 0
+        self._compiler = engine.constraints.compiler
         original = engine.constraints.backend.compile
 
         def compile(params):
             self.calls += 1
             self.release.wait(30)
-            return original(params)
+            try:
+                return original(params)
+            finally:
+                self.returned.set()
 
         monkeypatch.setattr(engine.constraints.backend, "compile", compile)
+
+    def finish(self) -> None:
+        """Let the held compile end, and wait until it has (so its timing lands in this test)."""
+        self.release.set()
+        assert self.returned.wait(30)
+        for entry in list(self._compiler._cache.values()):  # each outcome is set after its timing
+            concurrent.futures.wait([entry.future], timeout=30)
 
 
 def test_a_compiling_request_waits_outside_the_batch_and_others_run(engine, monkeypatch):
@@ -101,7 +114,7 @@ def test_a_compile_past_the_limit_fails_alone_and_the_key_stays_failed(engine, m
     again = _finals(_run(engine, lambda ds: "again" in _finals(ds)))["again"]
     assert again.error_kind is ErrorKind.INVALID_CONSTRAINT and time.monotonic() - t0 < 0.5
     assert gate.calls == 1
-    gate.release.set()
+    gate.finish()
 
 
 def test_a_bad_constraint_fails_fast_from_the_cache(engine):
@@ -125,7 +138,7 @@ def test_abort_while_compiling(engine, monkeypatch):
     final = _finals(_run(engine, lambda ds: "gone" in _finals(ds)))["gone"]
     assert final.finish_reason is FinishReason.ABORTED
     assert not any(engine.held_state().values())
-    gate.release.set()
+    gate.finish()
 
 
 def test_the_grammar_end_finishes_the_request_without_eos(engine):
