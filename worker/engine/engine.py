@@ -104,6 +104,7 @@ class Engine:
         self.sampler = Sampler(seed=config.seed)
         self.overlap = Overlap(resolve_async_scheduling(config.async_scheduling, self.device))
         self.requests: dict[str, Request] = {}
+        self._token_texts: dict[int, str] = {}  # token id -> its text alone (logprob records)
         self._finish_next: dict[Request, FinishReason] = {}  # aborts and refusals, ended at the next step
         # More failed steps in a row than a bisection of a full batch needs: the device is broken.
         self.faults = FaultIsolation(max_failures_in_a_row=3 + config.max_num_seqs.bit_length())
@@ -412,10 +413,17 @@ class Engine:
         self.constraints.forget(req)
         self.faults.forget(req)
         self._stats.cached_prompt_tokens_total += req.num_cached_prompt_tokens
-        return final_delta(req, reason, now, new_ids, text, logprobs)
+        delta = final_delta(req, reason, now, new_ids, text, logprobs)
+        for record in delta.prompt_logprobs or ():  # the records' token texts, for the Result
+            record.token = self._token_text(record.token_id)
+            record.top_tokens = [self._token_text(i) for i, _ in record.top_logprobs]
+        return delta
 
     def _token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
 
     # ------------------------------------------------------------------ stats
     def held_state(self) -> dict[str, int]:

@@ -199,6 +199,9 @@ class PromptLogprob:
     logprob: float
     rank: int
     top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+    # The texts of token_id and of the top-N ids (in their order), filled in when the request ends.
+    token: str = ""
+    top_tokens: list[str] = field(default_factory=list)
 
 
 @dataclass
