@@ -86,3 +86,33 @@ def test_n_above_one_is_refused_with_a_clear_error(engine):
     refused = results[0]
     assert refused.status == "error" and refused.error.code == "invalid_job"
     assert "n > 1 is not supported yet" in refused.error.message
+
+
+def test_run_batch_echo_logprobs_line_gives_the_prompt_logprobs_in_openai_shape(tmp_path, tiny_llama_dir):
+    """The line lm-eval's local-completions model sends: echo + logprobs, max_tokens 0."""
+    import json
+
+    from worker.cli import main
+
+    batch = tmp_path / "echo.jsonl"
+    lines = [
+        {"custom_id": "ll-0", "method": "POST", "url": "/v1/completions",
+         "body": {"model": tiny_llama_dir.name, "prompt": "the cat sat on the mat", "max_tokens": 0,
+                  "echo": True, "logprobs": 1, "temperature": 0}},
+        {"custom_id": "chat-0", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"model": tiny_llama_dir.name, "messages": [{"role": "user", "content": "hi"}],
+                  "max_tokens": 4}},
+    ]
+    batch.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    out = tmp_path / "out.jsonl"
+    assert main(["run-batch", "--model", str(tiny_llama_dir), str(batch), str(out), "--output-format", "openai",
+                 "--no-progress"]) == 0
+    echo, chat = [json.loads(line) for line in out.read_text().splitlines()]
+    assert echo["error"] is None and echo["response"]["status_code"] == 200
+    choice = echo["response"]["body"]["choices"][0]
+    logprobs = choice["logprobs"]
+    assert logprobs["token_logprobs"][0] is None  # the first prompt token has no logprob
+    assert len(logprobs["tokens"]) == len(logprobs["token_logprobs"]) >= 2
+    assert all(isinstance(v, float) and v <= 0 for v in logprobs["token_logprobs"][1:])
+    assert choice["text"] == "".join(logprobs["tokens"])
+    assert chat["response"]["status_code"] == 200
