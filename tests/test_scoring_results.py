@@ -116,3 +116,17 @@ def test_run_batch_echo_logprobs_line_gives_the_prompt_logprobs_in_openai_shape(
     assert all(isinstance(v, float) and v <= 0 for v in logprobs["token_logprobs"][1:])
     assert choice["text"] == "".join(logprobs["tokens"])
     assert chat["response"]["status_code"] == 200
+
+
+def test_backfill_refuses_prompt_logprobs_in_openai_output(tmp_path, capsys, tiny_llama_dir):
+    import json
+
+    from worker.cli import main
+
+    inp = tmp_path / "rows.jsonl"
+    inp.write_text(json.dumps({"text": "a b c"}) + "\n")
+    code = main(["backfill", "--engine", "local", "--model", str(tiny_llama_dir), "--input", str(inp),
+                 "--output", str(tmp_path / "out.jsonl"), "--prompt-column", "text", "--no-progress",
+                 "--output-format", "openai", "--sampling", '{"prompt_logprobs": 0, "max_tokens": 1}'])
+    assert code == 2
+    assert "cannot carry prompt_logprobs" in capsys.readouterr().err
