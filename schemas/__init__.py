@@ -42,8 +42,20 @@ from schemas.openai_batch import (
     COMPLETIONS_URL,
     job_from_openai_batch_line,
     openai_batch_output_line,
+    openai_output_refusal,
 )
-from schemas.records import ErrorInfo, Result, Source, Timing, TokenEvent, TokenLogprob, TopLogprob, Usage
+from schemas.records import (
+    Choice,
+    ErrorInfo,
+    PromptLogprob,
+    Result,
+    Source,
+    Timing,
+    TokenEvent,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
 
 __all__ = [
     "CHAT_COMPLETIONS_URL",
@@ -74,11 +86,13 @@ __all__ = [
     "STATUS_EXPIRED",
     "STATUS_OK",
     "STOP_MAX_STRINGS",
+    "Choice",
     "ErrorInfo",
     "InputLine",
     "Job",
     "JobDecodeError",
     "Message",
+    "PromptLogprob",
     "Result",
     "Sampling",
     "Source",
@@ -94,6 +108,7 @@ __all__ = [
     "is_openai_batch_line",
     "job_from_openai_batch_line",
     "openai_batch_output_line",
+    "openai_output_refusal",
     "parse_input_line",
     "read_input_line",
 ]

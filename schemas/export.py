@@ -5,8 +5,9 @@ them and a test fails when they drift. ``--check`` exits 1 and names the stale f
 writing.
 
 JSON Schema cannot express every rule of the models: the 16 KiB limit on metadata,
-``min_tokens <= max_tokens``, and the strict integer rule (JSON Schema counts ``1.0`` as an
-integer; the models do not) are enforced by the models only.
+``min_tokens <= max_tokens``, ``seed + n - 1`` within 64 bits, a Result's ``choices`` indexed
+0..n-1 in order, and the strict integer rule (JSON Schema counts ``1.0`` as an integer; the
+models do not) are enforced by the models only.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from schemas.constants import (
     INT64_MAX,
@@ -28,6 +29,8 @@ from schemas.constants import (
     JOB_ID_MAX_CHARS,
     LOGPROBS_MAX,
     METADATA_MAX_BYTES,
+    N_MAX,
+    PROMPT_LOGPROBS_MAX,
     STOP_MAX_STRINGS,
     STRUCTURED_OUTPUT_KINDS,
     TOKEN_ID_MAX,
@@ -156,7 +159,31 @@ class StructuredOutputs(StrictModel):
 class Sampling(StrictModel):
     """How tokens are drawn. Names and meanings follow the OpenAI and vLLM conventions."""
 
-    max_tokens: int = Field(default=256, ge=1, le=TOKEN_ID_MAX, description="Most tokens to generate.")
+    # The rules between fields that JSON Schema can say (the validators below enforce them all).
+    model_config = StrictModel.model_config | ConfigDict(
+        json_schema_extra={
+            "allOf": [
+                {
+                    "if": {"properties": {"max_tokens": {"const": 0}}, "required": ["max_tokens"]},
+                    "then": {
+                        "required": ["prompt_logprobs"],
+                        "properties": {"prompt_logprobs": {"type": "integer"}, "structured_outputs": {"type": "null"}},
+                    },
+                },
+                {
+                    "if": {"properties": {"score_from": {"exclusiveMinimum": 1}}, "required": ["score_from"]},
+                    "then": {"required": ["prompt_logprobs"], "properties": {"prompt_logprobs": {"type": "integer"}}},
+                },
+            ]
+        }
+    )
+
+    max_tokens: int = Field(
+        default=256,
+        ge=0,
+        le=TOKEN_ID_MAX,
+        description="Most tokens to generate; 0 (score the prompt only) only with prompt_logprobs.",
+    )
     min_tokens: Count = Field(
         default=0, description="EOS and stop token ids are suppressed until this many tokens."
     )
@@ -183,17 +210,84 @@ class Sampling(StrictModel):
         le=LOGPROBS_MAX,
         description="null = none; N in 0..20 = the chosen token's logprob plus the top N alternatives.",
     )
-    # Last, so the field order stays that of the engine's SamplingParams.
     structured_outputs: StructuredOutputs | None = Field(
         default=None,
         description="Constrain the output to a JSON Schema, any JSON object, a regex, a choice or a grammar.",
     )
+    # Scoring and sampling fields, appended in the order of the engine's SamplingParams.
+    prompt_logprobs: int | None = Field(
+        default=None,
+        ge=0,
+        le=PROMPT_LOGPROBS_MAX,
+        description="null = none; K in 0..20 = score the prompt: each scored position's token logprob "
+        "and rank plus the top K.",
+    )
+    score_from: int = Field(
+        default=1,
+        ge=1,
+        le=TOKEN_ID_MAX,
+        description="The first prompt position scored (0-based; position 0 has no logprob); the context "
+        "before it may come from the prefix cache. Only with prompt_logprobs.",
+    )
+    n: int = Field(
+        default=1,
+        ge=1,
+        le=N_MAX,
+        description="Independent samples of the prompt, 1..64; sample i uses seed + i when seed is given.",
+    )
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _fields_agree(cls, data: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        # Rules between fields, read from the input so that they are reported together with the
+        # fields' own problems (an "after" validator would not run when a field is invalid), each
+        # at the field it names. A rule whose fields have the wrong type is left to their errors.
+        rules = _agreement_errors(data) if isinstance(data, dict) else []
+        try:
+            sampling = handler(data)
+        except ValidationError as exc:
+            if not rules:
+                raise
+            order = list(cls.model_fields)
+            errors = sorted(
+                [*exc.errors(), *rules],
+                key=lambda e: order.index(e["loc"][0]) if e["loc"] and e["loc"][0] in order else -1,
+            )
+            raise ValidationError.from_exception_data(cls.__name__, errors) from None  # type: ignore[arg-type]
+        if rules:
+            raise ValidationError.from_exception_data(cls.__name__, rules)
+        return sampling
 
     @model_validator(mode="after")
     def _min_not_above_max(self) -> Sampling:
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         return self
+
+
+def _is_int(value: Any) -> bool:
+    return type(value) is int
+
+
+def _agreement_errors(data: dict[str, Any]) -> list[InitErrorDetails]:
+    """The rules between Sampling's fields, on its input dict."""
+    problems: list[tuple[str, str]] = []
+    max_tokens, scored = data.get("max_tokens", 256), data.get("prompt_logprobs") is not None
+    if _is_int(max_tokens) and max_tokens == 0:
+        if not scored:
+            problems.append(("max_tokens", "must be >= 1 (0, score only, needs prompt_logprobs)"))
+        if data.get("structured_outputs") is not None:
+            problems.append(("structured_outputs", "needs max_tokens >= 1 (max_tokens 0 generates nothing)"))
+    score_from = data.get("score_from", 1)
+    if _is_int(score_from) and score_from > 1 and not scored:
+        problems.append(("score_from", "needs prompt_logprobs (it says where prompt scoring starts)"))
+    seed, n = data.get("seed"), data.get("n", 1)
+    if _is_int(seed) and _is_int(n) and 1 <= n <= N_MAX and seed <= INT64_MAX < seed + n - 1:
+        problems.append(("n", f"seed + n - 1 must fit a signed 64-bit integer (seed {seed}, n {n})"))
+    return [
+        InitErrorDetails(type=PydanticCustomError("value_error", message), loc=(name,), input=data.get(name))
+        for name, message in problems
+    ]
 
 
 def metadata_json_size(metadata: dict[str, Any]) -> int:

@@ -15,12 +15,19 @@ must never run differently from what it asked for without saying so.
 changes nothing: the schema is always enforced on every token (there is no best-effort mode to turn
 off), as written (OpenAI's strict-mode rewrites and restrictions are not applied). vLLM's
 ``structured_outputs`` body field is accepted too, as the Job field.
+
+Scoring: ``/v1/completions`` with ``echo: true`` + ``logprobs: K`` sets ``sampling.prompt_logprobs``
+= K as well (``max_tokens: 0`` is then allowed: score only), the line lm-evaluation-harness's
+``local-completions`` model sends for a loglikelihood; its output is the prompt echoed with
+OpenAI's ``{tokens, token_logprobs, top_logprobs, text_offset}`` over prompt and completion. ``n``
+maps to ``sampling.n``, and a Result's ``choices`` become the body's choices.
 """
 
 from __future__ import annotations
 
 import hashlib
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from pydantic import ValidationError
@@ -36,7 +43,7 @@ from schemas.constants import (
 from schemas.decode import load_json, readable_id
 from schemas.errors import JobDecodeError, format_validation_error
 from schemas.job import Job
-from schemas.records import Result, TokenLogprob
+from schemas.records import Choice, PromptLogprob, Result, TokenLogprob
 
 CHAT_COMPLETIONS_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
@@ -58,7 +65,10 @@ BOTH = CHAT | COMPLETIONS
 # in _reshape (a stop string becomes a list, token-id prompts go to prompt_token_ids, chat
 # logprobs/top_logprobs combine into one count, response_format becomes a constraint). top_k ..
 # structured_outputs are vLLM's extensions of the OpenAI request, accepted by vLLM's
-# OpenAI-compatible server too (as is response_format on /v1/completions).
+# OpenAI-compatible server too (as is response_format on /v1/completions). score_from is
+# tokenmill's own (with echo: the first prompt position scored; the head before it is echoed
+# with null logprobs, so a client that knows its context length lets the context come from the
+# prefix cache).
 BODY_TO_JOB: dict[str, tuple[str, frozenset[str]]] = {
     "model": ("model", BOTH),
     "messages": ("messages", CHAT),
@@ -81,6 +91,9 @@ BODY_TO_JOB: dict[str, tuple[str, frozenset[str]]] = {
     "ignore_eos": ("sampling.ignore_eos", BOTH),
     "structured_outputs": ("sampling.structured_outputs", BOTH),
     "response_format": ("sampling.structured_outputs", BOTH),
+    "n": ("sampling.n", BOTH),
+    "echo": ("sampling.prompt_logprobs", COMPLETIONS),
+    "score_from": ("sampling.score_from", COMPLETIONS),
 }
 
 # response_format: the keys each type takes, and those of its json_schema object.
@@ -90,10 +103,8 @@ JSON_SCHEMA_KEYS = ("name", "description", "schema", "strict")
 # Fields that are fine only at their default value (the value OpenAI uses when it is absent),
 # with the endpoints that have them.
 _DEFAULT_ONLY: dict[str, tuple[tuple[Any, ...], frozenset[str]]] = {
-    "n": ((1,), BOTH),
     "stream": ((False,), BOTH),
     "logit_bias": (({},), BOTH),
-    "echo": ((False,), COMPLETIONS),
     "best_of": ((1,), COMPLETIONS),
     "suffix": (("",), COMPLETIONS),
     "tools": (([],), CHAT),
@@ -115,10 +126,6 @@ def _is_default(name: str, value: Any) -> bool:
 
 
 def _not_default_reason(name: str, value: Any) -> str:
-    if name == "n" and type(value) is int and value > 1:
-        return (
-            "n > 1 is not supported; send one line per sample (with different seeds to get different samples)"
-        )
     if name == "best_of" and type(value) is int and value > 1:
         return "best_of > 1 is not supported; send one line per candidate"
     if name == "stream":
@@ -127,8 +134,6 @@ def _not_default_reason(name: str, value: Any) -> str:
         return "tool and function calling are not supported"
     if name == "logit_bias":
         return "logit_bias is not supported"
-    if name == "echo":
-        return "echo is not supported"
     if name == "suffix":
         return "suffix (insertion) is not supported"
     return f"must be {_DEFAULT_ONLY[name][0][0]!r}"
@@ -283,7 +288,7 @@ def job_from_openai_batch_line(line: dict[str, Any] | bytes | bytearray | str) -
             if name in ("messages", "prompt"):
                 problems.append(f"body.{name}: must not be null")
             continue  # OpenAI reads null as "use the default"
-        if chat and name in ("logprobs", "top_logprobs"):
+        if (chat and name in ("logprobs", "top_logprobs")) or name == "echo":
             continue  # combined below
         path, value = _reshape(name, value, problems)
         if name == "response_format" and value is None:
@@ -316,8 +321,22 @@ def job_from_openai_batch_line(line: dict[str, Any] | bytes | bytearray | str) -
             rename["sampling.logprobs"] = "body.top_logprobs"
         elif top is not None:
             problems.append("body.top_logprobs: needs logprobs: true")
-    elif "prompt" not in body:
-        problems.append("body.prompt: required")
+    else:
+        if "prompt" not in body:
+            problems.append("body.prompt: required")
+        echo, top = body.get("echo"), body.get("logprobs")
+        if echo is not None and type(echo) is not bool:
+            problems.append("body.echo: must be true or false")
+        elif echo and top is None:
+            problems.append(
+                "body.echo: supported with logprobs only (echo + logprobs: K scores the prompt; "
+                "the prompt's text alone is not echoed)"
+            )
+        elif echo:
+            # echo + logprobs: K = the prompt's logprobs with the top K (positions 1 on), and the
+            # completion's; max_tokens 0 scores the prompt only (the shape lm-eval sends).
+            sampling["prompt_logprobs"] = top
+            rename["sampling.prompt_logprobs"] = "body.logprobs"
 
     if problems:
         raise JobDecodeError.invalid("; ".join(problems), job_id)
@@ -374,57 +393,151 @@ def _chat_logprobs(logprobs: list[TokenLogprob]) -> dict[str, Any]:
     return {"content": content, "refusal": None}
 
 
-def _completion_logprobs(logprobs: list[TokenLogprob]) -> dict[str, Any]:
+# One position of a completions logprobs object: (token text, logprob, top alternatives); logprob
+# and top are None only for the echoed prompt positions that have no logprob (the first).
+_Position = tuple[str, float | None, dict[str, float] | None]
+
+
+def _top(alternatives: Sequence[Any]) -> dict[str, float]:
+    # A dict per position, as OpenAI writes it (tokens with the same text collapse).
+    return {a.token: _lp(a.logprob) for a in alternatives}
+
+
+def _completion_logprobs(positions: list[_Position]) -> dict[str, Any]:
     offsets, at = [], 0
-    for t in logprobs:
+    for token, _, _ in positions:
         offsets.append(at)
-        at += len(t.token)
+        at += len(token)
     return {
-        "tokens": [t.token for t in logprobs],
-        "token_logprobs": [_lp(t.logprob) for t in logprobs],
-        # A dict per position, as OpenAI writes it (tokens with the same text collapse).
-        "top_logprobs": [{a.token: _lp(a.logprob) for a in t.top_logprobs} for t in logprobs],
+        "tokens": [token for token, _, _ in positions],
+        "token_logprobs": [None if lp is None and top is None else _lp(lp) for _, lp, top in positions],
+        "top_logprobs": [top for _, _, top in positions],
         "text_offset": offsets,
     }
 
 
-def _ok_body(result: Result, url: str, created: int) -> dict[str, Any]:
+def _generated_positions(logprobs: list[TokenLogprob]) -> list[_Position]:
+    return [(t.token, t.logprob, _top(t.top_logprobs)) for t in logprobs]
+
+
+def _echoed_positions(head: Sequence[str], prompt: list[PromptLogprob]) -> list[_Position]:
+    """The prompt's positions as OpenAI's echo writes them: the unscored head (its first token has
+    no logprob) with nulls, then one per scored position."""
+    return [(token, None, None) for token in head] + [
+        (p.token, p.logprob, _top(p.top_logprobs)) for p in prompt
+    ]
+
+
+def _samples(result: Result) -> list[Choice]:
+    """The Result's samples: its choices for n > 1, else the one sample its own fields hold."""
+    if result.choices is not None:
+        return result.choices
+    assert result.finish_reason is not None  # status ok
+    return [
+        Choice(
+            index=0,
+            text=result.text,
+            token_ids=result.token_ids,
+            finish_reason=result.finish_reason,
+            logprobs=result.logprobs,
+            completion_tokens=result.usage.completion_tokens,
+        )
+    ]
+
+
+def _echo_prefix(result: Result, echo_head: Sequence[str]) -> tuple[str, list[_Position]]:
+    if result.prompt_logprobs is None:
+        raise ValueError("echo needs a Result with prompt_logprobs (the job must set sampling.prompt_logprobs)")
+    if len(echo_head) + len(result.prompt_logprobs) != result.usage.prompt_tokens:
+        raise ValueError(
+            f"echo_head ({len(echo_head)} tokens) and prompt_logprobs ({len(result.prompt_logprobs)}) "
+            f"must cover the prompt's {result.usage.prompt_tokens} tokens"
+        )
+    positions = _echoed_positions(echo_head, result.prompt_logprobs)
+    return "".join(token for token, _, _ in positions), positions
+
+
+def _ok_body(result: Result, url: str, created: int, echo_head: Sequence[str] | None) -> dict[str, Any]:
     digest = _digest(result)
+    choices: list[dict[str, Any]] = []
     if url == CHAT_COMPLETIONS_URL:
-        choice: dict[str, Any] = {
-            "index": 0,
-            "message": {"role": "assistant", "content": result.text, "refusal": None},
-            "logprobs": _chat_logprobs(result.logprobs) if result.logprobs is not None else None,
-            "finish_reason": result.finish_reason,
-        }
+        if echo_head is not None:
+            raise ValueError("echo is a /v1/completions field")
+        if result.prompt_logprobs is not None:
+            raise ValueError(CHAT_PROMPT_LOGPROBS_REFUSAL)
+        for c in _samples(result):
+            choices.append({
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text, "refusal": None},
+                "logprobs": _chat_logprobs(c.logprobs) if c.logprobs is not None else None,
+                "finish_reason": c.finish_reason,
+            })
         obj, prefix = "chat.completion", "chatcmpl-"
     else:
-        choice = {
-            "text": result.text,
-            "index": 0,
-            "logprobs": _completion_logprobs(result.logprobs) if result.logprobs is not None else None,
-            "finish_reason": result.finish_reason,
-        }
+        if result.prompt_logprobs is not None and echo_head is None:
+            # OpenAI's only shape for prompt logprobs is echo: without the head they would be lost.
+            raise ValueError("a Result with prompt_logprobs is written echoed: pass echo_head")
+        echoed, head = ("", []) if echo_head is None else _echo_prefix(result, echo_head)
+        for c in _samples(result):
+            logprobs = None
+            if echo_head is not None and c.logprobs is None and c.token_ids:
+                raise ValueError("echo with generated tokens needs their logprobs (sampling.logprobs)")
+            if c.logprobs is not None or echo_head is not None:
+                logprobs = _completion_logprobs(head + _generated_positions(c.logprobs or []))
+            choices.append({
+                "text": echoed + c.text,
+                "index": c.index,
+                "logprobs": logprobs,
+                "finish_reason": c.finish_reason,
+            })
         obj, prefix = "text_completion", "cmpl-"
     return {
         "id": prefix + digest,
         "object": obj,
         "created": created,
         "model": result.model,
-        "choices": [choice],
+        "choices": choices,
         "usage": _usage(result),
         "system_fingerprint": None,
     }
 
 
+CHAT_PROMPT_LOGPROBS_REFUSAL = (
+    "sampling.prompt_logprobs has no place in a chat.completion body (OpenAI writes prompt logprobs only "
+    "as /v1/completions echo); use the tokenmill output format, or a /v1/completions line"
+)
+
+
+def openai_output_refusal(job: Job, url: str) -> str | None:
+    """Why the Result of ``job`` could not be written as an OpenAI body for ``url`` (None: it can):
+    for a runner to refuse the job up front instead of losing what it asked for."""
+    if url == CHAT_COMPLETIONS_URL and job.sampling.prompt_logprobs is not None:
+        return CHAT_PROMPT_LOGPROBS_REFUSAL
+    return None
+
+
 def openai_batch_output_line(
-    result: Result, url: str | None, *, created: int | None = None
+    result: Result,
+    url: str | None,
+    *,
+    created: int | None = None,
+    echo_head: Sequence[str] | None = None,
 ) -> dict[str, Any]:
     """A Result -> one OpenAI Batch output line (a dict; write it as one JSON line).
 
     ``url`` is the input line's url; it picks the body shape of successful results (a Result of
     a plain Job line may use ``CHAT_COMPLETIONS_URL`` for messages, ``COMPLETIONS_URL`` otherwise)
     and may be None for failed ones. ``created`` defaults to now (unix seconds).
+
+    ``echo_head`` (``/v1/completions`` only; required for a Result with ``prompt_logprobs``, which
+    OpenAI can only write echoed; a chat body cannot carry them at all, see
+    ``openai_output_refusal``): the token texts of the
+    prompt positions before ``sampling.score_from`` (the first token, for the mapping of ``echo``),
+    which have no logprob. The body's text is then the prompt's (its token texts joined) followed by
+    the completion, and its ``logprobs`` cover the prompt (null for the head, as OpenAI writes the
+    first token) and then the generated tokens: index i of ``token_logprobs`` is prompt position i,
+    which is how lm-eval's ``local-completions`` reads a loglikelihood. A Result with ``choices``
+    (n > 1) gives one body choice per sample, each echoed alike.
 
     status ok -> HTTP 200 with the completion body; status error -> HTTP 400 (500 for the
     worker's own failures, SERVER_ERROR_CODES) with an OpenAI error body; status expired -> no response and the error
@@ -439,7 +552,7 @@ def openai_batch_output_line(
         line["response"] = {
             "status_code": 200,
             "request_id": f"req_{digest}",
-            "body": _ok_body(result, url, when),
+            "body": _ok_body(result, url, when, echo_head),
         }
         line["error"] = None
     elif result.status == STATUS_ERROR:

@@ -43,6 +43,17 @@ class TokenEvent(RecordModel):
     token_ids: list[TokenId] = Field(description="Token ids new in this event.")
     text: str = Field(description="Text new in this event (held back while it could start a stop string).")
     finished: bool = Field(default=False, description="True on the attempt's last event.")
+    choice: Count | None = Field(
+        default=None,
+        description="For a job with sampling.n > 1: the choice these tokens belong to; absent otherwise.",
+    )
+
+    @model_serializer(mode="wrap")
+    def _omit_absent_choice(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        if data.get("choice") is None:  # n = 1: the event is as before
+            data.pop("choice", None)
+        return data
 
     def to_json_bytes(self) -> bytes:
         return self.model_dump_json().encode()
@@ -89,8 +100,45 @@ class TokenLogprob(RecordModel):
     top_logprobs: list[TopLogprob] = Field(default_factory=list)
 
 
+class PromptLogprob(RecordModel):
+    """One scored prompt position: the prompt's own token there, its logprob and rank, and the top-K."""
+
+    token_id: TokenId
+    token: str
+    logprob: FiniteFloat | None = Field(description="null stands for -infinity (JSON has no infinity).")
+    rank: int = Field(ge=1, description="1 = the most likely token at this position.")
+    top_logprobs: list[TopLogprob] = Field(default_factory=list, description="The K most likely tokens.")
+
+
+class Choice(RecordModel):
+    """One of the n samples of a job with sampling.n > 1."""
+
+    index: Count = Field(description="0..n-1; sample i was drawn with seed + i when a seed was given.")
+    text: str = Field(default="")
+    token_ids: list[TokenId] = Field(default_factory=list)
+    finish_reason: FinishReasonName
+    logprobs: list[TokenLogprob] | None = Field(default=None, description="One per generated token, when asked.")
+    completion_tokens: Count = Field(default=0, description="Tokens generated for this choice.")
+
+    @model_serializer(mode="wrap")
+    def _omit_absent_logprobs(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        if data.get("logprobs") is None:
+            data.pop("logprobs", None)
+        return data
+
+
 # Optional parts left out of the wire form when they are not there ("logprobs appears when asked").
-_OMITTED_WHEN_NONE = ("source", "metadata", "error", "logprobs", "truncated")
+_OMITTED_WHEN_NONE = (
+    "source", "metadata", "error", "logprobs", "truncated",
+    "prompt_logprobs", "prompt_logprob_sum", "is_greedy", "choices",
+)
+
+
+# Parts a Result has only with status ok (JSON Schema form).
+_ONLY_WHEN_OK: dict[str, Any] = {
+    name: {"type": "null"} for name in ("prompt_logprobs", "prompt_logprob_sum", "is_greedy", "choices")
+}
 
 
 class Result(RecordModel):
@@ -112,11 +160,18 @@ class Result(RecordModel):
                 },
                 {
                     "if": {"properties": {"status": {"const": "error"}}, "required": ["status"]},
-                    "then": {"required": ["error"], "properties": {"error": {"type": "object"}}},
+                    "then": {
+                        "required": ["error"],
+                        "properties": {"error": {"type": "object"}, **_ONLY_WHEN_OK},
+                    },
                 },
                 {
                     "if": {"properties": {"status": {"const": "expired"}}, "required": ["status"]},
-                    "then": {"properties": {"error": {"type": "null"}}},
+                    "then": {"properties": {"error": {"type": "null"}, **_ONLY_WHEN_OK}},
+                },
+                {
+                    "if": {"properties": {"prompt_logprobs": {"type": "array"}}, "required": ["prompt_logprobs"]},
+                    "then": {"required": ["is_greedy"], "properties": {"is_greedy": {"type": "boolean"}}},
                 },
             ]
         }
@@ -145,6 +200,25 @@ class Result(RecordModel):
         description="true when the Result was cut down to fit the results topic's size limit (logprobs "
         "dropped first, then text past a limit); absent otherwise.",
     )
+    prompt_logprobs: list[PromptLogprob] | None = Field(
+        default=None,
+        description="With sampling.prompt_logprobs: one entry per scored prompt position, from "
+        "sampling.score_from to the prompt's end, in order.",
+    )
+    prompt_logprob_sum: FiniteFloat | None = Field(
+        default=None,
+        description="With prompt_logprobs: the sum of the scored tokens' logprobs (absent when one is "
+        "-infinity).",
+    )
+    is_greedy: bool | None = Field(
+        default=None,
+        description="With prompt_logprobs: true when every scored token was the most likely one (rank 1).",
+    )
+    choices: list[Choice] | None = Field(
+        default=None,
+        description="With sampling.n > 1: the n samples, by index; text, token_ids, finish_reason and "
+        "logprobs of the Result are those of choice 0. Absent for n = 1.",
+    )
 
     @model_validator(mode="after")
     def _status_agrees(self) -> Result:
@@ -157,6 +231,18 @@ class Result(RecordModel):
             raise ValueError("a Result with status ok needs a finish_reason")
         if self.status != STATUS_OK and self.finish_reason is not None:
             raise ValueError(f"a Result with status {self.status} has no finish_reason")
+        if self.status != STATUS_OK:
+            for name in ("prompt_logprobs", "prompt_logprob_sum", "is_greedy", "choices"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"a Result with status {self.status} has no {name}")
+        if self.prompt_logprobs is None and (self.prompt_logprob_sum is not None or self.is_greedy is not None):
+            raise ValueError("prompt_logprob_sum and is_greedy come only with prompt_logprobs")
+        if self.prompt_logprobs is not None and self.is_greedy is None:
+            raise ValueError("a Result with prompt_logprobs needs is_greedy")
+        if self.choices is not None:
+            indexes = [c.index for c in self.choices]
+            if indexes != list(range(len(indexes))) or len(indexes) < 2:
+                raise ValueError(f"choices must be indexed 0..n-1 in order, n >= 2 (got indexes {indexes})")
         return self
 
     @model_serializer(mode="wrap")

@@ -298,7 +298,9 @@ def test_decode_error_to_error_result():
         decode_job(b'{"job_id": "row-3", "prompt": "p", "sampling": {"max_tokens": 0}}')
     except ValueError as exc:
         r = error_result(exc.job_id, exc.code, exc.message, **WHO)
-    assert r.job_id == "row-3" and r.error.message == "sampling.max_tokens: must be >= 1"
+    assert r.job_id == "row-3" and r.error.message == (
+        "sampling.max_tokens: must be >= 1 (0, score only, needs prompt_logprobs)"
+    )
 
 
 def test_attempt_ids_are_unique_and_name_the_worker():

@@ -102,7 +102,8 @@ def test_a_job_maps_every_sampling_field_by_name():
     values = {"max_tokens": 9, "min_tokens": 1, "temperature": 0.5, "top_p": 0.5, "top_k": 3, "min_p": 0.1,
               "repetition_penalty": 1.2, "presence_penalty": 0.5, "frequency_penalty": -0.5, "seed": 7,
               "stop": ["x"], "stop_token_ids": [4], "ignore_eos": True, "logprobs": 2,
-              "structured_outputs": {"choice": ["yes", "no"], "whitespace": "flexible"}}
+              "structured_outputs": {"choice": ["yes", "no"], "whitespace": "flexible"},
+              "prompt_logprobs": 3, "score_from": 2, "n": 2}
     assert set(values) == set(Sampling.model_fields)
     job = Job.model_validate({"job_id": "j", "prompt": "p", "sampling": values})
     got = job_to_engine_request(job).sampling

@@ -135,9 +135,9 @@ def test_parse_input_line_tells_the_formats_apart():
     # A bad OpenAI line reports its custom_id as job_id.
     with pytest.raises(JobDecodeError) as exc:
         parse_input_line(
-            b'{"custom_id": "c3", "method": "POST", "url": "/v1/completions", "body": {"n": 3, "prompt": "p"}}'
+            b'{"custom_id": "c3", "method": "POST", "url": "/v1/completions", "body": {"n": 65, "prompt": "p"}}'
         )
-    assert exc.value.job_id == "c3" and "n > 1" in exc.value.message
+    assert exc.value.job_id == "c3" and "body.n: must be <= 64" in exc.value.message
 
 
 # --- properties ---------------------------------------------------------------------------------
@@ -200,6 +200,9 @@ SAMPLING_KEYS = [
     "stop_token_ids",
     "ignore_eos",
     "logprobs",
+    "prompt_logprobs",
+    "score_from",
+    "n",
 ]
 sampling_like = st.dictionaries(st.sampled_from(SAMPLING_KEYS), json_values | st.integers(-3, 30), max_size=6)
 message_like = st.fixed_dictionaries(
@@ -264,6 +267,7 @@ valid_jobs = st.fixed_dictionaries(
                 "seed": st.integers(0, 2**40) | st.none(),
                 "stop": st.lists(st.text(min_size=1, max_size=4), max_size=16),
                 "logprobs": st.integers(0, 20) | st.none(),
+                "n": st.integers(1, 64),
             },
         ),
         "stream": st.booleans(),

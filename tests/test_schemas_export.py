@@ -213,3 +213,60 @@ def test_jobs_the_models_accept_pass_the_schema():
         job_validator.validate(json.loads(decode_job(json.dumps(obj).encode()).to_json_bytes()))
 
     check()
+
+
+def scoring(**sampling) -> dict:
+    return {**CONTRACT_JOB, "sampling": sampling}
+
+
+@pytest.mark.parametrize(
+    "name,job",
+    [
+        ("max_tokens 0 without prompt_logprobs", scoring(max_tokens=0, logprobs=1)),
+        ("max_tokens 0 with a null prompt_logprobs", scoring(max_tokens=0, prompt_logprobs=None)),
+        ("max_tokens 0 with a constraint", scoring(max_tokens=0, prompt_logprobs=0, structured_outputs={"regex": "a"})),
+        ("score_from without prompt_logprobs", scoring(score_from=5)),
+        ("score_from 0", scoring(prompt_logprobs=0, score_from=0)),
+        ("prompt_logprobs 21", scoring(prompt_logprobs=21)),
+        ("n 0", scoring(n=0)),
+        ("n 65", scoring(n=65)),
+    ],
+)
+def test_job_schema_rejects_bad_scoring_fields(name, job):
+    assert list(validator("job").iter_errors(job)), name
+    with pytest.raises(ValueError):  # the models reject the same jobs
+        decode_job(json.dumps(job).encode())
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [{"max_tokens": 0, "prompt_logprobs": 0}, {"prompt_logprobs": 20, "score_from": 300, "max_tokens": 1},
+     {"n": 64, "seed": 3}, {"score_from": 1}],
+)
+def test_job_schema_accepts_scoring_fields(sampling):
+    job = scoring(**sampling)
+    validator("job").validate(job)
+    decode_job(json.dumps(job).encode())
+
+
+def test_result_and_event_schemas_take_the_scoring_fields():
+    top = [{"token_id": 2, "token": "b", "logprob": -0.1}]
+    scored = {
+        **CONTRACT_RESULT,
+        "prompt_logprobs": [{"token_id": 1, "token": "a", "logprob": None, "rank": 7, "top_logprobs": top}],
+        "is_greedy": False,
+        "choices": [
+            {"index": i, "text": "x", "token_ids": [3], "finish_reason": "stop", "completion_tokens": 1}
+            for i in range(2)
+        ],
+    }
+    v = validator("result")
+    v.validate(scored)
+    bad_rank = {**scored, "prompt_logprobs": [{**scored["prompt_logprobs"][0], "rank": 0}]}
+    assert list(v.iter_errors(bad_rank))
+    assert list(v.iter_errors({k: x for k, x in scored.items() if k != "is_greedy"}))  # is_greedy required
+    expired = {**scored, "status": "expired", "finish_reason": None}
+    assert list(v.iter_errors(expired))  # scoring parts only with status ok
+    v.validate({k: x for k, x in expired.items() if k not in ("prompt_logprobs", "is_greedy", "choices")})
+    validator("token-event").validate({**CONTRACT_EVENT, "choice": 1})
+    assert list(validator("token-event").iter_errors({**CONTRACT_EVENT, "choice": -1}))

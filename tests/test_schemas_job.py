@@ -182,8 +182,8 @@ INVALID = [
     ("model not a string", {"model": 1}, "model: must be a string"),
     ("sampling not an object", {"sampling": [1]}, "sampling: must be an object"),
     ("sampling unknown field", {"sampling.max_new_tokens": 5}, "sampling.max_new_tokens: unknown field"),
-    ("max_tokens 0", {"sampling.max_tokens": 0}, "sampling.max_tokens: must be >= 1"),
-    ("max_tokens negative", {"sampling.max_tokens": -3}, "sampling.max_tokens: must be >= 1"),
+    ("max_tokens 0", {"sampling.max_tokens": 0}, "sampling.max_tokens: must be >= 1 (0, score only, needs prompt_logprobs)"),
+    ("max_tokens negative", {"sampling.max_tokens": -3}, "sampling.max_tokens: must be >= 0"),
     ("max_tokens string", {"sampling.max_tokens": "10"}, "sampling.max_tokens: must be an integer"),
     ("max_tokens bool", {"sampling.max_tokens": True}, "sampling.max_tokens: must be an integer"),
     ("max_tokens float", {"sampling.max_tokens": 10.0}, "sampling.max_tokens: must be an integer"),
@@ -351,8 +351,8 @@ def test_all_problems_in_one_readable_message():
     with pytest.raises(JobDecodeError) as exc:
         decode_job(raw)
     assert exc.value.message == (
-        "prompt: must not be empty; sampling.max_tokens: must be >= 1; sampling.top_p: must be <= 1; "
-        "colour: unknown field"
+        "prompt: must not be empty; sampling.max_tokens: must be >= 1 (0, score only, needs prompt_logprobs); "
+        "sampling.top_p: must be <= 1; colour: unknown field"
     )
     assert str(exc.value) == "invalid_job: " + exc.value.message
 
@@ -418,3 +418,110 @@ def test_the_constraint_is_part_of_a_backfill_jobs_identity():
     assert fp() == fp(structured_outputs=None)  # no constraint: the ids of before
     assert fp({"json": SCHEMA}) == fp({"json": SCHEMA, "whitespace": "compact"})  # an explicit default
     assert fp({"json": SCHEMA}) == fp({"json": json.dumps(SCHEMA, indent=2)})  # a schema or its text
+
+
+# --- scoring and n samples: prompt_logprobs, score_from, n ----------------------------------------
+
+
+def sampled(**sampling) -> Sampling:
+    return Job.model_validate({"job_id": "j", "prompt": "p", "sampling": sampling}).sampling
+
+
+def sampling_problem(**sampling) -> str:
+    raw = json.dumps({"job_id": "j", "prompt": "p", "sampling": sampling}).encode()
+    with pytest.raises(JobDecodeError) as exc:
+        decode_job(raw)
+    return exc.value.message
+
+
+def test_the_scoring_fields_come_after_structured_outputs_in_this_order():
+    assert list(Sampling.model_fields)[-4:] == ["structured_outputs", "prompt_logprobs", "score_from", "n"]
+
+
+def test_a_job_without_the_scoring_fields_is_unchanged():
+    s = sampled()
+    assert (s.prompt_logprobs, s.score_from, s.n) == (None, 1, 1)
+    job = Job.model_validate({"job_id": "j", "prompt": "p", "sampling": {"max_tokens": 4}})
+    assert json.loads(job.to_json_bytes()) == {"job_id": "j", "prompt": "p", "sampling": {"max_tokens": 4}}
+
+
+@pytest.mark.parametrize("k", [0, 1, 20])
+def test_prompt_logprobs_takes_0_to_20(k):
+    assert sampled(prompt_logprobs=k).prompt_logprobs == k
+
+
+@pytest.mark.parametrize(
+    "bad,expected",
+    [(21, "must be <= 20"), (-1, "must be >= 0"), (True, "must be an integer"), ("1", "must be an integer"),
+     (1.0, "must be an integer")],
+)
+def test_prompt_logprobs_bad_values(bad, expected):
+    assert sampling_problem(prompt_logprobs=bad) == f"sampling.prompt_logprobs: {expected}"
+
+
+def test_max_tokens_0_scores_the_prompt_only():
+    s = sampled(max_tokens=0, prompt_logprobs=2)
+    assert s.max_tokens == 0 and s.prompt_logprobs == 2
+
+
+def test_max_tokens_0_without_prompt_logprobs_is_refused_clearly():
+    assert sampling_problem(max_tokens=0) == (
+        "sampling.max_tokens: must be >= 1 (0, score only, needs prompt_logprobs)"
+    )
+    assert sampling_problem(max_tokens=0, prompt_logprobs=None) == (
+        "sampling.max_tokens: must be >= 1 (0, score only, needs prompt_logprobs)"
+    )
+    with pytest.raises(ValueError, match="needs prompt_logprobs"):
+        Sampling(max_tokens=0)
+
+
+def test_max_tokens_0_cannot_carry_a_constraint_or_min_tokens():
+    assert sampling_problem(max_tokens=0, prompt_logprobs=0, structured_outputs={"regex": "a"}) == (
+        "sampling.structured_outputs: needs max_tokens >= 1 (max_tokens 0 generates nothing)"
+    )
+    assert "must not exceed max_tokens (0)" in sampling_problem(max_tokens=0, prompt_logprobs=0, min_tokens=1)
+
+
+def test_score_from_defaults_to_1_and_needs_prompt_logprobs():
+    assert sampled(prompt_logprobs=0, score_from=37).score_from == 37
+    assert sampled(score_from=1).score_from == 1  # the default, given: nothing to refuse
+    assert sampling_problem(score_from=2) == (
+        "sampling.score_from: needs prompt_logprobs (it says where prompt scoring starts)"
+    )
+
+
+@pytest.mark.parametrize(
+    "bad,expected",
+    [(0, "must be >= 1"), (-5, "must be >= 1"), (2**31, "must be <= 2147483647"), ("3", "must be an integer")],
+)
+def test_score_from_bad_values(bad, expected):
+    assert sampling_problem(prompt_logprobs=0, score_from=bad) == f"sampling.score_from: {expected}"
+
+
+@pytest.mark.parametrize("n", [1, 2, 64])
+def test_n_takes_1_to_64(n):
+    assert sampled(n=n, seed=5).n == n
+
+
+@pytest.mark.parametrize(
+    "bad,expected",
+    [(0, "must be >= 1"), (65, "must be <= 64"), (True, "must be an integer"), (2.0, "must be an integer")],
+)
+def test_n_bad_values(bad, expected):
+    assert sampling_problem(n=bad) == f"sampling.n: {expected}"
+
+
+def test_the_seeds_of_n_samples_must_fit_int64():
+    top = 2**63 - 1
+    assert sampled(n=1, seed=top).seed == top
+    assert sampled(n=4, seed=top - 3).n == 4
+    assert sampling_problem(n=4, seed=top - 2) == (
+        f"sampling.n: seed + n - 1 must fit a signed 64-bit integer (seed {top - 2}, n 4)"
+    )
+
+
+def test_rules_between_fields_are_listed_with_the_fields_own_problems():
+    assert sampling_problem(max_tokens=0, top_p=2, score_from=3, n=99) == (
+        "sampling.max_tokens: must be >= 1 (0, score only, needs prompt_logprobs); sampling.top_p: must be <= 1; "
+        "sampling.score_from: needs prompt_logprobs (it says where prompt scoring starts); sampling.n: must be <= 64"
+    )

@@ -10,6 +10,7 @@ from schemas import (
     CHAT_COMPLETIONS_URL,
     COMPLETIONS_URL,
     ERROR_INVALID_JOB,
+    Job,
     JobDecodeError,
     Result,
     job_from_openai_batch_line,
@@ -167,9 +168,11 @@ def test_harmless_fields_are_ignored():
 @pytest.mark.parametrize(
     "obj,expected",
     [
-        (chat(n=2), "body.n: n > 1 is not supported"),
-        (chat(n=True), "body.n: must be 1"),
-        (chat(n=1.0), "body.n: must be 1"),
+        (chat(n=65), "body.n: must be <= 64"),
+        (chat(n=0), "body.n: must be >= 1"),
+        (chat(n=True), "body.n: must be an integer"),
+        (chat(n=1.0), "body.n: must be an integer"),
+        (chat(n=2, seed=2**63 - 1), "body.n: seed + n - 1 must fit"),
         (comp(best_of=3), "body.best_of: best_of > 1 is not supported"),
         (chat(stream=True), "body.stream: streaming is not part of a batch request"),
         (chat(tools=[{"type": "function"}]), "body.tools: tool and function calling are not supported"),
@@ -195,7 +198,13 @@ def test_harmless_fields_are_ignored():
         (chat(structured_outputs={"structural_tag": "{}"}), "body.structured_outputs.structural_tag: unknown"),
         (chat(structured_outputs={"json": "{"}), "body.structured_outputs.json: not JSON"),
         (chat(logit_bias={"50256": -100}), "body.logit_bias: logit_bias is not supported"),
-        (comp(echo=True), "body.echo: echo is not supported"),
+        (comp(echo=True), "body.echo: supported with logprobs only"),
+        (comp(echo=1, logprobs=1), "body.echo: must be true or false"),
+        (comp(echo=True, logprobs=21), "body.logprobs: must be <= 20"),
+        (chat(echo=True), "body.echo: not a field of /v1/chat/completions"),
+        (comp(score_from=3), "body.score_from: needs prompt_logprobs"),
+        (comp(score_from=0, echo=True, logprobs=0), "body.score_from: must be >= 1"),
+        (comp(max_tokens=0, logprobs=1), "body.max_tokens: must be >= 1 (0, score only, needs prompt_logprobs)"),
         (comp(suffix="end"), "body.suffix: suffix (insertion) is not supported"),
         (chat(frobnicate=1), "body.frobnicate: not supported"),
         (chat(prompt="x"), f"body.prompt: not a field of {CHAT}"),
@@ -420,9 +429,10 @@ _SAMPLE_VALUES = {
     "max_tokens": 7, "temperature": 0.25, "top_p": 0.5, "presence_penalty": 0.5, "frequency_penalty": -0.5,
     "seed": 11, "stop": ["x"], "logprobs": 3, "top_k": 4, "min_p": 0.2, "repetition_penalty": 1.3,
     "min_tokens": 2, "stop_token_ids": [9], "ignore_eos": True, "structured_outputs": {"regex": "[a-z]+"},
+    "n": 3, "score_from": 1,
 }
 # Body fields whose value changes shape on the way (tested on their own above).
-_RESHAPED = ("logprobs", "top_logprobs", "response_format")
+_RESHAPED = ("logprobs", "top_logprobs", "response_format", "echo")
 
 
 def _as_sent(value):
@@ -449,3 +459,169 @@ def test_every_sampling_rename_comes_from_the_one_table():
     assert {p.removeprefix("sampling.") for p, _ in BODY_TO_JOB.values() if p.startswith("sampling.")} == set(
         Sampling.model_fields
     )
+
+
+# --- n, echo + logprobs: scoring through OpenAI lines ---------------------------------------------
+
+
+@pytest.mark.parametrize("make", [chat, comp])
+def test_n_maps_to_sampling_n(make):
+    assert job_from_openai_batch_line(make(n=4, seed=9)).sampling.n == 4
+    assert job_from_openai_batch_line(make(n=None)).sampling.n == 1
+    assert job_from_openai_batch_line(make()).sampling.n == 1
+
+
+def test_chat_top_logprobs_become_the_sampling_logprobs_count():
+    job = job_from_openai_batch_line(chat(logprobs=True, top_logprobs=5, n=2))
+    assert job.sampling.logprobs == 5 and job.sampling.prompt_logprobs is None and job.sampling.n == 2
+
+
+def test_the_loglikelihood_line_lm_eval_sends():
+    # local-completions: token ids of context + continuation, one token generated greedily, echo,
+    # logprobs 1 (the top-1 tells whether each token was the greedy one).
+    body = {"prompt": [101, 7, 8, 9, 10], "max_tokens": 1, "temperature": 0, "logprobs": 1, "echo": True, "seed": 1234}
+    job = job_from_openai_batch_line(line({"model": "tiny-llama", **body}, url=COMP))
+    assert job.prompt_token_ids == [101, 7, 8, 9, 10]
+    s = job.sampling
+    assert (s.prompt_logprobs, s.score_from, s.logprobs, s.max_tokens, s.temperature) == (1, 1, 1, 1, 0.0)
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt_only():
+    job = job_from_openai_batch_line(comp(echo=True, logprobs=0, max_tokens=0))
+    assert (job.sampling.max_tokens, job.sampling.prompt_logprobs) == (0, 0)
+
+
+def test_echo_false_scores_nothing_and_score_from_is_a_completions_extension():
+    assert job_from_openai_batch_line(comp(echo=False, logprobs=2)).sampling.prompt_logprobs is None
+    job = job_from_openai_batch_line(comp(echo=True, logprobs=2, score_from=4))
+    assert (job.sampling.prompt_logprobs, job.sampling.score_from) == (2, 4)
+    assert "body.score_from: not a field of /v1/chat/completions" in rejected(chat(score_from=2)).message
+
+
+def entry(token_id, token, logprob, rank, top=()):
+    return {"token_id": token_id, "token": token, "logprob": logprob, "rank": rank,
+            "top_logprobs": [{"token_id": i, "token": t, "logprob": lp} for i, t, lp in top]}
+
+
+# A 4-token prompt "The cat sat" + ".": positions 1..3 scored with the top-1.
+SCORED_PROMPT = [
+    entry(11, " cat", -2.0, 3, [(50, " dog", -0.5)]),
+    entry(12, " sat", -0.75, 1, [(12, " sat", -0.75)]),
+    entry(13, ".", None, 900, [(14, "!", -0.1)]),
+]
+
+
+def scored_result(**patch) -> Result:
+    base = {"text": "", "token_ids": [], "usage": {"prompt_tokens": 4, "completion_tokens": 0, "cached_prompt_tokens": 0},
+            "prompt_logprobs": SCORED_PROMPT, "is_greedy": False}
+    return result(**{**base, **patch})
+
+
+def test_echo_output_gives_the_prompt_logprobs_in_openai_shape():
+    out = openai_batch_output_line(scored_result(), COMPLETIONS_URL, created=1, echo_head=["The"])
+    (choice,) = out["response"]["body"]["choices"]
+    assert choice["text"] == "The cat sat." and choice["index"] == 0 and choice["finish_reason"] == "length"
+    assert choice["logprobs"] == {
+        "tokens": ["The", " cat", " sat", "."],
+        "token_logprobs": [None, -2.0, -0.75, -9999.0],  # the first token has none; -inf as OpenAI writes it
+        "top_logprobs": [None, {" dog": -0.5}, {" sat": -0.75}, {"!": -0.1}],
+        "text_offset": [0, 3, 7, 11],
+    }
+    json.dumps(out)
+
+
+def lm_eval_loglikelihood(choice: dict, ctxlen: int) -> tuple[float, bool]:
+    """How lm-eval's local-completions model reads an echo response: the logprobs of the positions
+    from ctxlen to the last prompt one (the generated token dropped), greedy when each equals the
+    best of its top alternatives."""
+    lps = choice["logprobs"]["token_logprobs"][ctxlen:-1]
+    tops = choice["logprobs"]["top_logprobs"][ctxlen:-1]
+    return sum(lps), all(lp == max(top.values()) for lp, top in zip(lps, tops, strict=True))
+
+
+def test_lm_eval_reads_the_continuations_loglikelihood_from_the_echo_output():
+    generated = [{"token_id": 14, "token": "!", "logprob": -0.1, "top_logprobs": [{"token_id": 14, "token": "!", "logprob": -0.1}]}]
+    r = scored_result(
+        text="!", token_ids=[14], logprobs=generated,
+        usage={"prompt_tokens": 4, "completion_tokens": 1, "cached_prompt_tokens": 0},
+    )
+    (choice,) = openai_batch_output_line(r, COMPLETIONS_URL, created=1, echo_head=["The"])["response"]["body"]["choices"]
+    assert choice["text"] == "The cat sat.!" and choice["logprobs"]["tokens"][-1] == "!"
+    assert choice["logprobs"]["text_offset"][-1] == len("The cat sat.")
+    assert lm_eval_loglikelihood(choice, ctxlen=2) == (-0.75 + -9999.0, False)  # " sat" "." continuation
+    assert lm_eval_loglikelihood(choice, ctxlen=1)[0] == -2.0 - 0.75 - 9999.0
+    single = dict(choice, logprobs={k: v[:3] + v[-1:] for k, v in choice["logprobs"].items()})
+    assert lm_eval_loglikelihood(single, ctxlen=2) == (-0.75, True)
+
+
+def test_echo_with_a_later_score_from_echoes_the_unscored_head_with_nulls():
+    r = scored_result(prompt_logprobs=SCORED_PROMPT[1:], usage={"prompt_tokens": 4, "completion_tokens": 0})
+    lp = openai_batch_output_line(r, COMPLETIONS_URL, created=1, echo_head=["The", " cat"])[
+        "response"]["body"]["choices"][0]["logprobs"]
+    assert lp["token_logprobs"] == [None, None, -0.75, -9999.0] and lp["top_logprobs"][:2] == [None, None]
+
+
+@pytest.mark.parametrize(
+    "make_result,head,url,expected",
+    [
+        (lambda: result(), ["The"], COMPLETIONS_URL, "echo needs a Result with prompt_logprobs"),
+        (lambda: scored_result(), [], COMPLETIONS_URL, "must cover the prompt's 4 tokens"),
+        (lambda: scored_result(), ["The", "x"], COMPLETIONS_URL, "must cover the prompt's 4 tokens"),
+        (lambda: scored_result(), ["The"], CHAT_COMPLETIONS_URL, "echo is a /v1/completions field"),
+        (lambda: scored_result(text="!", token_ids=[14]), ["The"], COMPLETIONS_URL, "needs their logprobs"),
+    ],
+)
+def test_echo_output_refuses_what_it_cannot_write_faithfully(make_result, head, url, expected):
+    with pytest.raises(ValueError, match=expected):
+        openai_batch_output_line(make_result(), url, created=1, echo_head=head)
+
+
+def test_prompt_logprobs_are_never_dropped_from_an_openai_body():
+    with pytest.raises(ValueError, match="written echoed: pass echo_head"):
+        openai_batch_output_line(scored_result(), COMPLETIONS_URL, created=1)
+    with pytest.raises(ValueError, match="no place in a chat.completion body"):
+        openai_batch_output_line(scored_result(), CHAT_COMPLETIONS_URL, created=1)
+
+
+def test_a_runner_can_refuse_up_front_what_an_openai_body_cannot_hold():
+    from schemas.openai_batch import openai_output_refusal
+
+    scored_chat = Job.model_validate({"job_id": "a", "messages": HI, "sampling": {"prompt_logprobs": 1}})
+    assert "no place in a chat.completion body" in openai_output_refusal(scored_chat, CHAT_COMPLETIONS_URL)
+    assert openai_output_refusal(scored_chat, COMPLETIONS_URL) is None
+    assert openai_output_refusal(job_from_openai_batch_line(chat(n=3)), CHAT_COMPLETIONS_URL) is None
+    assert openai_output_refusal(job_from_openai_batch_line(comp(echo=True, logprobs=1)), COMPLETIONS_URL) is None
+
+
+N_CHOICES = [
+    {"index": 0, "text": "Bon", "token_ids": [5], "finish_reason": "length", "completion_tokens": 1,
+     "logprobs": [{"token_id": 5, "token": "Bon", "logprob": -0.5, "top_logprobs": []}]},
+    {"index": 1, "text": "Salut", "token_ids": [8], "finish_reason": "stop", "completion_tokens": 1,
+     "logprobs": [{"token_id": 8, "token": "Salut", "logprob": -1.0, "top_logprobs": []}]},
+]
+
+
+def n_result() -> Result:
+    return result(text="Bon", token_ids=[5], choices=N_CHOICES, logprobs=N_CHOICES[0]["logprobs"])
+
+
+def test_n_choices_in_the_chat_output():
+    body = openai_batch_output_line(n_result(), CHAT_COMPLETIONS_URL, created=1)["response"]["body"]
+    assert [c["index"] for c in body["choices"]] == [0, 1]
+    assert [c["message"]["content"] for c in body["choices"]] == ["Bon", "Salut"]
+    assert [c["finish_reason"] for c in body["choices"]] == ["length", "stop"]
+    assert body["choices"][1]["logprobs"]["content"][0]["logprob"] == -1.0
+    assert body["usage"]["completion_tokens"] == 2
+
+
+def test_n_choices_in_the_completions_output_each_echoed():
+    r = result(
+        text="Bon", token_ids=[5], choices=N_CHOICES, usage={"prompt_tokens": 4, "completion_tokens": 2},
+        prompt_logprobs=SCORED_PROMPT, is_greedy=False,
+    )
+    choices = openai_batch_output_line(r, COMPLETIONS_URL, created=1, echo_head=["The"])["response"]["body"]["choices"]
+    assert [c["text"] for c in choices] == ["The cat sat.Bon", "The cat sat.Salut"]
+    assert [c["logprobs"]["token_logprobs"][-1] for c in choices] == [-0.5, -1.0]
+    assert all(c["logprobs"]["token_logprobs"][:4] == [None, -2.0, -0.75, -9999.0] for c in choices)
+    plain = openai_batch_output_line(n_result(), COMPLETIONS_URL, created=1)["response"]["body"]["choices"]
+    assert [(c["index"], c["text"], c["logprobs"]["tokens"]) for c in plain] == [(0, "Bon", ["Bon"]), (1, "Salut", ["Salut"])]

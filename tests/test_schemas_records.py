@@ -172,3 +172,92 @@ def test_dead_letter_headers():
     ]
     with pytest.raises(ValueError, match="unknown error code"):
         dead_letter_headers("bad_json", "x", topic="t", partition=0, offset=0)
+
+
+# --- scoring and n samples ----------------------------------------------------------------------
+
+PROMPT_LOGPROBS = [
+    {"token_id": 12, "token": " the", "logprob": -1.5, "rank": 2,
+     "top_logprobs": [{"token_id": 7, "token": " a", "logprob": -0.5}, {"token_id": 12, "token": " the", "logprob": -1.5}]},
+    {"token_id": 40, "token": " cat", "logprob": -0.25, "rank": 1, "top_logprobs": []},
+]
+SCORED = {**RESULT, "prompt_logprobs": PROMPT_LOGPROBS, "prompt_logprob_sum": -1.75, "is_greedy": False}
+CHOICES = [
+    {"index": 0, "text": "Bonjour", "token_ids": [1012, 318, 29889], "finish_reason": "stop", "completion_tokens": 3},
+    {"index": 1, "text": "Salut", "token_ids": [77], "finish_reason": "length", "completion_tokens": 1,
+     "logprobs": [{"token_id": 77, "token": "Salut", "logprob": -0.1, "top_logprobs": []}]},
+]
+
+
+def test_an_old_result_still_parses_and_gains_no_fields():
+    old = json.dumps(RESULT).encode()  # a Result written before the scoring fields existed
+    r = Result.model_validate_json(old)
+    assert (r.prompt_logprobs, r.prompt_logprob_sum, r.is_greedy, r.choices) == (None, None, None, None)
+    assert json.loads(r.to_json_bytes()) == RESULT
+
+
+def test_an_old_token_event_is_unchanged():
+    e = TokenEvent.model_validate(EVENT)
+    assert e.choice is None and json.loads(e.to_json_bytes()) == EVENT
+
+
+def test_a_token_event_of_an_n_job_carries_its_choice():
+    e = TokenEvent.model_validate({**EVENT, "choice": 3})
+    assert json.loads(e.to_json_bytes()) == {**EVENT, "choice": 3}
+    assert "choice: must be >= 0" in problems(TokenEvent, {**EVENT, "choice": -1})
+    assert "choice: must be an integer" in problems(TokenEvent, {**EVENT, "choice": "1"})
+
+
+def test_a_scored_result_round_trips():
+    r = Result.model_validate(SCORED)
+    assert r.prompt_logprobs[0].rank == 2 and r.prompt_logprobs[0].top_logprobs[0].token == " a"
+    assert r.prompt_logprob_sum == -1.75 and r.is_greedy is False
+    assert json.loads(r.to_json_bytes()) == SCORED
+
+
+def test_a_scored_position_may_be_minus_infinity():
+    entry = {"token_id": 3, "token": "x", "logprob": None, "rank": 2048, "top_logprobs": []}
+    r = Result.model_validate({**RESULT, "prompt_logprobs": [entry], "is_greedy": False})
+    assert r.prompt_logprobs[0].logprob is None and r.prompt_logprob_sum is None
+    assert "prompt_logprob_sum" not in json.loads(r.to_json_bytes())
+
+
+@pytest.mark.parametrize(
+    "patch,expected",
+    [
+        ({"prompt_logprobs": [{**PROMPT_LOGPROBS[1], "rank": 0}]}, "prompt_logprobs[0].rank: must be >= 1"),
+        ({"prompt_logprobs": [{**PROMPT_LOGPROBS[1], "logprob": "x"}]}, "prompt_logprobs[0].logprob"),
+        ({"is_greedy": None}, "needs is_greedy"),
+        ({"prompt_logprobs": None}, "come only with prompt_logprobs"),
+        ({"status": "expired", "finish_reason": None}, "status expired has no prompt_logprobs"),
+    ],
+)
+def test_scored_result_rules(patch, expected):
+    assert expected in problems(Result, {**SCORED, **patch})
+
+
+def test_a_result_with_choices_round_trips_and_omits_absent_logprobs():
+    obj = {**RESULT, "choices": CHOICES, "usage": {**RESULT["usage"], "completion_tokens": 4}}
+    r = Result.model_validate(obj)
+    assert [c.index for c in r.choices] == [0, 1] and r.choices[1].logprobs[0].token == "Salut"
+    out = json.loads(r.to_json_bytes())
+    assert out == obj and "logprobs" not in out["choices"][0]
+
+
+@pytest.mark.parametrize(
+    "choices,expected",
+    [
+        ([CHOICES[1], CHOICES[0]], "indexed 0..n-1 in order"),
+        ([CHOICES[0]], "n >= 2"),
+        ([CHOICES[0], {**CHOICES[1], "index": 2}], "indexed 0..n-1"),
+        ([CHOICES[0], {**CHOICES[1], "finish_reason": None}], "choices[1].finish_reason"),
+        ([CHOICES[0], {**CHOICES[1], "completion_tokens": -1}], "choices[1].completion_tokens: must be >= 0"),
+    ],
+)
+def test_choices_rules(choices, expected):
+    assert expected in problems(Result, {**RESULT, "choices": choices})
+
+
+def test_an_error_result_has_no_choices():
+    err = {**RESULT, "status": "error", "finish_reason": None, "error": {"code": "internal", "message": "x"}}
+    assert "status error has no choices" in problems(Result, {**err, "choices": CHOICES})

@@ -20,10 +20,12 @@ from typing import IO, Any
 from schemas import (
     CHAT_COMPLETIONS_URL,
     COMPLETIONS_URL,
+    ERROR_INVALID_JOB,
     ERROR_MODEL_MISMATCH,
     JobDecodeError,
     Result,
     openai_batch_output_line,
+    openai_output_refusal,
     read_input_line,
 )
 from schemas.job import Job
@@ -86,6 +88,10 @@ class BatchRunner:
             return
         p.job, p.url = parsed.job, parsed.openai_url
         job = p.job
+        refusal = openai_output_refusal(job, p.url) if self.output_format == "openai" and p.url else None
+        if refusal is not None:  # its Result could not be written: refused before it runs
+            self._error(p, ERROR_INVALID_JOB, refusal, job.job_id)
+            return
         if job.model is not None and job.model != self.model_name:
             self._error(p, ERROR_MODEL_MISMATCH,
                         f"job asks for model {job.model!r}; this run serves {self.model_name!r}", job.job_id)
@@ -100,7 +106,19 @@ class BatchRunner:
         url = p.url
         if url is None and p.job is not None:
             url = CHAT_COMPLETIONS_URL if p.job.messages is not None else COMPLETIONS_URL
-        return json.dumps(openai_batch_output_line(p.result, url), ensure_ascii=False)
+        echo_head = None
+        if p.result.prompt_logprobs is not None and p.job is not None:
+            echo_head = self._echo_head(p.job)
+        return json.dumps(openai_batch_output_line(p.result, url, echo_head=echo_head), ensure_ascii=False)
+
+    def _echo_head(self, job: Job) -> list[str]:
+        """The token texts of the prompt before score_from: the echoed head that has no logprob."""
+        from worker.engine.tokenizer import encode_request
+
+        tokenizer = self.offline.engine.tokenizer
+        ids = encode_request(tokenizer, prompt=job.prompt, messages=job.messages,
+                             prompt_token_ids=job.prompt_token_ids)
+        return [tokenizer.decode([t], skip_special_tokens=False) for t in ids[: job.sampling.score_from]]
 
     # ------------------------------------------------------------------ run
     def run(self, input_path: str, output_path: str) -> dict[str, int]:

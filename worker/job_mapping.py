@@ -25,6 +25,7 @@ from schemas import (
     Result,
     Source,
 )
+from schemas import PromptLogprob as PromptLogprobRecord
 from schemas import Timing as TimingRecord
 from schemas import TokenLogprob as TokenLogprobRecord
 from schemas import TopLogprob as TopLogprobRecord
@@ -75,6 +76,28 @@ def new_attempt_id(worker: str) -> str:
 def _finite_or_none(x: float) -> float | None:
     # JSON has no -infinity; a token the distribution rules out (top-k, min-p) is written as null.
     return x if x == x and abs(x) != float("inf") else None
+
+
+def _prompt_logprob_fields(delta: RequestDelta) -> dict[str, Any]:
+    """prompt_logprobs, prompt_logprob_sum and is_greedy of a scoring request's Result (-inf as
+    null; a sum that is -inf is left out)."""
+    if delta.prompt_logprobs is None:
+        return {}
+    total = delta.prompt_logprob_sum
+    return {
+        "prompt_logprobs": [
+            PromptLogprobRecord(
+                token_id=p.token_id, token=p.token, logprob=_finite_or_none(float(p.logprob)), rank=p.rank,
+                top_logprobs=[
+                    TopLogprobRecord(token_id=int(tid), token=text, logprob=_finite_or_none(float(value)))
+                    for (tid, value), text in zip(p.top_logprobs, p.top_tokens, strict=True)
+                ],
+            )
+            for p in delta.prompt_logprobs
+        ],
+        "prompt_logprob_sum": _finite_or_none(float(total)) if total is not None else None,
+        "is_greedy": bool(delta.is_greedy),
+    }
 
 
 def _logprob_records(logprobs: list[TokenLogprob]) -> list[TokenLogprobRecord]:
@@ -173,6 +196,7 @@ def build_result(
             token_ids=token_ids,
             finish_reason=reason.value,
             logprobs=records,
+            **_prompt_logprob_fields(delta),
             **common,
         )
     if reason == FinishReason.EXPIRED:

@@ -81,6 +81,9 @@ async def run_backfill(cfg: BackfillConfig) -> Summary:
     started = time.monotonic()
     check_compiles(cfg.spec.sampling)  # a constraint that fails every row fails the run instead
     out_fmt = output_format_for(cfg.output, cfg.output_format)
+    if out_fmt == "openai" and cfg.spec.sampling.get("prompt_logprobs") is not None:
+        # OpenAI writes prompt logprobs only echoed, with the prompt's token texts: not kept here.
+        raise ValueError("--output-format openai cannot carry prompt_logprobs; use jsonl or parquet")
     state_path = Path(cfg.state) if cfg.state else default_state_path(cfg.output)
     dataset_id = dataset_identity(cfg.input, cfg.dataset_id)
     store = ResultStore(state_path)

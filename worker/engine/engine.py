@@ -19,6 +19,10 @@ A request with a constraint (structured output) waits outside the scheduler unti
 is done (structured/constraints.py), then runs like any other; its sampling row is masked, and
 each token it takes advances its matcher; a complete grammar finishes it with STOP.
 
+A request with prompt_logprobs has its prompt scored as the prompt is computed (scoring.py; its
+prefix-cache lookup stops before the first position to score); with max_tokens 0 it samples no
+token and ends with LENGTH once its prompt is computed. `n` > 1 is refused by add() for now.
+
 Imports nothing from Kafka, pydantic schemas or boto3: it must run alone on a GPU machine.
 """
 
@@ -100,6 +104,7 @@ class Engine:
         self.sampler = Sampler(seed=config.seed)
         self.overlap = Overlap(resolve_async_scheduling(config.async_scheduling, self.device))
         self.requests: dict[str, Request] = {}
+        self._token_texts: dict[int, str] = {}  # token id -> its text alone (logprob records)
         self._finish_next: dict[Request, FinishReason] = {}  # aborts and refusals, ended at the next step
         # More failed steps in a row than a bisection of a full batch needs: the device is broken.
         self.faults = FaultIsolation(max_failures_in_a_row=3 + config.max_num_seqs.bit_length())
@@ -149,9 +154,17 @@ class Engine:
 
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request_id {request.request_id!r}: it is still in the engine")
+        params = request.sampling
+        if params.n > 1:
+            raise ValueError("n > 1 is not supported yet")
         ids = self._encode(request)
         if not ids:
             raise ValueError("the prompt is empty (no tokens)")
+        if params.prompt_logprobs is not None and params.score_from >= len(ids):
+            raise ValueError(
+                f"score_from ({params.score_from}) must be less than the prompt's length ({len(ids)} tokens): "
+                "nothing would be scored"
+            )
         vocab = self.model_config.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
@@ -229,6 +242,7 @@ class Engine:
                 self._step_done(out)
             deltas.extend(self._take_in(launched))
             taken = (drained, launched)
+        deltas.extend(self._end_scored(out, now))
         if self.faults.step_passed(out.requests):
             self.scheduler.preempt_all()  # a cleared probation group waits for the round's end
         model_s = sum(s.model_seconds() for s in taken if s is not None)
@@ -236,6 +250,19 @@ class Engine:
             model_s += self.runner.last_forward_s  # no row sampled: the forward alone
         self.metrics.record_step(out, time.perf_counter() - t_start, model_s)
         return not out.is_empty
+
+    def _end_scored(self, out: SchedulerOutput, now: float) -> list[RequestDelta]:
+        """End the score-only requests (max_tokens 0) whose prompt is now computed, with LENGTH:
+        they sample no token (model_runner.py leaves them out of the sampling rows)."""
+        done = [
+            r for r in out.requests
+            if r.sampling.max_tokens == 0 and r.status is RequestStatus.RUNNING
+            and r.num_computed_tokens >= r.num_prompt_tokens
+        ]
+        if not done:
+            return []
+        self.scheduler.finish_many([(r, FinishReason.LENGTH) for r in done])
+        return [self._ended(r, FinishReason.LENGTH, now) for r in done]
 
     def _recover(self, fault: StepFault) -> None:
         """A step failed: back to a consistent state, then end the requests the failure convicts
@@ -386,10 +413,17 @@ class Engine:
         self.constraints.forget(req)
         self.faults.forget(req)
         self._stats.cached_prompt_tokens_total += req.num_cached_prompt_tokens
-        return final_delta(req, reason, now, new_ids, text, logprobs)
+        delta = final_delta(req, reason, now, new_ids, text, logprobs)
+        for record in delta.prompt_logprobs or ():  # the records' token texts, for the Result
+            record.token = self._token_text(record.token_id)
+            record.top_tokens = [self._token_text(i) for i, _ in record.top_logprobs]
+        return delta
 
     def _token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
 
     # ------------------------------------------------------------------ stats
     def held_state(self) -> dict[str, int]:

@@ -5,6 +5,9 @@ loops), the packed token ids and positions of every scheduled request, the atten
 (query_start_loc, seq_lens, block_tables, slot_mapping) and the indices of the positions that
 sample: the last token of each request whose computed tokens catch up with its total this step
 (decodes, and prefill chunks that finish the prompt). Only those rows go through the LM head.
+A step that holds prompt positions a request scores (prompt_logprobs, scoring.py) also gives those
+positions the full last layer (extra OutputRows after the sampling rows) and scores them in
+bounded chunks before the sampling rows' logits are computed.
 
 Block tables live in a persistent host buffer with one row per running request; a step copies only
 the blocks a request gained since the last step, so building the batch costs O(batch), not
@@ -37,6 +40,7 @@ import torch
 from worker.engine.attention import AttentionMetadata, OutputRows
 from worker.engine.cuda_graphs import DecodeGraphRunner, capture_sizes
 from worker.engine.request import PENDING_TOKEN, Request
+from worker.engine.scoring import ScoreRows, record_scores, score_rows
 
 if TYPE_CHECKING:
     from worker.engine.scheduler import SchedulerOutput
@@ -56,6 +60,7 @@ class StepInputs:
     prompt_tokens_computed: int  # tokens of this step at prompt positions (prefill work)
     live_tokens: int  # tokens with KV after this step, summed over the batch's requests
     slots_allocated: int  # block slots those requests hold
+    scores: ScoreRows | None = None  # prompt positions scored this step (their rows follow the sampling rows)
 
 
 @dataclass
@@ -206,10 +211,11 @@ class ModelRunner:
                 "query_start_loc": (seqs + 1, torch.int32),
                 "seq_lens": (seqs, torch.int32),
                 "block_tables": (seqs * width, torch.int32),
-                "output_index": (seqs, torch.int64),
-                "output_query_start_loc": (seqs + 1, torch.int32),
-                "output_seq_lens": (seqs, torch.int32),
-                "output_block_tables": (seqs * width, torch.int32),
+                # Output rows: one per sampling request, plus the step's scored prompt positions.
+                "output_index": (seqs + max_tokens, torch.int64),
+                "output_query_start_loc": (seqs + max_tokens + 1, torch.int32),
+                "output_seq_lens": (seqs + max_tokens, torch.int32),
+                "output_block_tables": ((seqs + max_tokens) * width, torch.int32),
                 "pending_dst": (seqs, torch.int64),
                 "pending_src": (seqs, torch.int64),
             },
@@ -298,9 +304,14 @@ class ModelRunner:
         block_tables = self._tables[rows, : -(-max_seq_len // bs)]
 
         samples = seq_lens == totals
+        # A score-only request (max_tokens 0) samples nothing: it ends once its prompt is computed.
+        score_only = np.fromiter((r.sampling.max_tokens == 0 for r in requests), dtype=bool, count=num_seqs)
+        if score_only.any():
+            samples &= ~score_only
+        scores = score_rows(requests, ctx, n, qsl)
         if samples.all():
             sample_requests = list(requests)
-            logits_index = None if num_tokens == num_seqs else qsl[1:] - 1
+            logits_index = None if num_tokens == num_seqs and scores is None else qsl[1:] - 1
         else:
             sample_requests = [r for r, s in zip(requests, samples.tolist(), strict=True) if s]
             logits_index = qsl[1:][samples] - 1
@@ -312,6 +323,7 @@ class ModelRunner:
             prompt_tokens_computed=int(np.clip(np.minimum(seq_lens, prompt_lens) - ctx, 0, None).sum()),
             live_tokens=int(seq_lens.sum()),
             slots_allocated=int(sum(len(r.kv.block_table) for r in requests)) * bs,
+            scores=scores,
         )
         staging = self._staging
         if staging is not None:
@@ -339,6 +351,12 @@ class ModelRunner:
         output_rows = None
         if logits_index is not None:
             out_lens = seq_lens[samples]
+            out_tables = block_tables[samples]
+            if scores is not None:
+                # Each scored position is a query of its own that attends to the tokens before it.
+                logits_index = np.concatenate([logits_index, scores.flat_index])
+                out_lens = np.concatenate([out_lens, scores.seq_lens])
+                out_tables = np.concatenate([out_tables, block_tables[scores.batch_index]])
             out_max = int(out_lens.max()) if len(out_lens) else 0
             output_rows = OutputRows(
                 index=dev("output_index", logits_index),
@@ -346,7 +364,7 @@ class ModelRunner:
                     query_start_loc=dev("output_query_start_loc", np.arange(len(out_lens) + 1, dtype=np.int32)),
                     seq_lens=dev("output_seq_lens", out_lens.astype(np.int32)),
                     block_tables=dev(
-                        "output_block_tables", np.ascontiguousarray(block_tables[samples, : -(-out_max // bs)])
+                        "output_block_tables", np.ascontiguousarray(out_tables[:, : -(-out_max // bs)])
                     ),
                     slot_mapping=meta.slot_mapping[:0],  # writes nothing: the K/V is in place already
                     max_query_len=1,
@@ -457,8 +475,15 @@ class ModelRunner:
         )
 
     def _forward(self, input_ids, positions, meta, output_rows, stats) -> torch.Tensor | None:
-        # With output_rows (any step that is not pure decode) the hidden states are those rows only.
+        # With output_rows (any step that is not pure decode) the hidden states are those rows only:
+        # the sampling rows, then the scored prompt positions.
         hidden = self.model(input_ids, positions, meta, self.kv_caches, output_rows)
-        if not stats.sample_requests:
+        num_samples = len(stats.sample_requests)
+        if stats.scores is not None:
+            # Waits for the device (the records go to the host); scoring requests keep steps
+            # synchronous anyway (overlap.needs_host_history).
+            record_scores(stats.scores, hidden[num_samples:], self.model)
+            hidden = hidden[:num_samples]
+        if not num_samples:
             return None
         return self.model.compute_logits(hidden, out=self._logits_buffer(hidden))

@@ -46,7 +46,22 @@ def final_delta(
         output_token_ids=list(req.output_token_ids),
         output_text=req.detokenizer.text if req.detokenizer is not None else "",
         output_logprobs=list(req.output_logprobs) if req.output_logprobs is not None else None,
+        **prompt_score_fields(req, reason),
     )
+
+
+def prompt_score_fields(req: Request, reason: FinishReason) -> dict:
+    """prompt_logprobs, prompt_logprob_sum and is_greedy of a scoring request's final delta (a
+    request that ended before its prompt was scored, e.g. aborted or failed, has none)."""
+    scores = req.prompt_scores
+    if scores is None or reason in (FinishReason.ERROR, FinishReason.ABORTED, FinishReason.EXPIRED) \
+            or req.next_score_pos < req.num_prompt_tokens:
+        return {}
+    return {
+        "prompt_logprobs": list(scores),
+        "prompt_logprob_sum": sum(s.logprob for s in scores),
+        "is_greedy": all(s.rank == 1 for s in scores),
+    }
 
 
 def timing(req: Request, now: float) -> Timing:

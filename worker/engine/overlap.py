@@ -121,7 +121,10 @@ def _sample_on_device(sampler: Sampler, logits: torch.Tensor, launched: Launched
 
 def needs_host_history(params: SamplingParams) -> bool:
     """Sampling that reads the request's token history or per-token host results every step."""
-    return params.logprobs is not None or has_penalties(params) or params.structured_outputs is not None
+    return (
+        params.logprobs is not None or has_penalties(params) or params.structured_outputs is not None
+        or params.prompt_logprobs is not None  # its scores are read on the host in the step (scoring.py)
+    )
 
 
 class Overlap:

@@ -10,7 +10,14 @@ from typing import TYPE_CHECKING
 
 from worker.engine.block_manager import BlockState
 from worker.engine.sampler import SamplingInputs
-from worker.engine.types import EngineRequest, ErrorKind, FinishReason, SamplingParams, TokenLogprob
+from worker.engine.types import (
+    EngineRequest,
+    ErrorKind,
+    FinishReason,
+    PromptLogprob,
+    SamplingParams,
+    TokenLogprob,
+)
 
 if TYPE_CHECKING:
     from worker.engine.detokenizer import IncrementalDetokenizer
@@ -51,7 +58,7 @@ class Request:
         "prompt_token_ids", "num_prompt_tokens", "output_token_ids", "kv", "num_computed_tokens",
         "status", "finish_reason", "error_kind", "error", "num_cached_prompt_tokens", "ever_scheduled",
         "deferred_steps", "first_scheduled_time", "first_token_time", "detokenizer", "sampling_inputs",
-        "output_logprobs", "runner_row", "matcher",
+        "output_logprobs", "runner_row", "matcher", "prompt_scores", "next_score_pos",
     )
 
     def __init__(
@@ -92,6 +99,10 @@ class Request:
         )
         # Every output token's logprobs, when asked: the final delta carries the whole list.
         self.output_logprobs: list[TokenLogprob] | None = [] if req.sampling.logprobs is not None else None
+        # Prompt scoring (scoring.py): the records of the positions scored so far, and the next
+        # position to score (kept across preemption, so a recompute scores nothing twice).
+        self.prompt_scores: list[PromptLogprob] | None = [] if req.sampling.prompt_logprobs is not None else None
+        self.next_score_pos = req.sampling.score_from
         self.runner_row = -1  # row of the model runner's persistent block-table buffer (the runner's)
         # The constraint's matcher, advanced by every output token (structured/constraints.py);
         # None for an unconstrained request, and until its constraint has compiled.
@@ -108,6 +119,16 @@ class Request:
     @property
     def block_table(self) -> list[int]:
         return self.kv.block_table
+
+    @property
+    def prefix_cache_limit(self) -> int:
+        """The most tokens the prefix cache may serve it: all but the last (whose logits it
+        samples from), and for a prompt still to be scored, the tokens before the hidden state
+        of the next position to score (a cached block holds no logits)."""
+        limit = self.num_tokens - 1
+        if self.prompt_scores is not None and self.next_score_pos < self.num_prompt_tokens:
+            limit = min(limit, self.next_score_pos - 1)
+        return limit
 
     @property
     def has_pending_token(self) -> bool:
@@ -149,6 +170,15 @@ class Request:
     def add_logprobs(self, records: list[TokenLogprob]) -> None:
         """Keep the logprobs of new output tokens (for the final delta)."""
         self.output_logprobs.extend(records)
+
+    def add_prompt_scores(self, records: list[PromptLogprob]) -> None:
+        """Keep the records of newly scored prompt positions (the next ones, in order)."""
+        if records and records[0].position != self.next_score_pos:
+            raise RuntimeError(
+                f"request {self.request_id!r}: scored position {records[0].position}, expected {self.next_score_pos}"
+            )
+        self.prompt_scores.extend(records)
+        self.next_score_pos += len(records)
 
     def set_error(self, kind: ErrorKind, message: str) -> None:
         """Why this request cannot run; it ends with FinishReason.ERROR."""

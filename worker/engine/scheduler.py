@@ -234,7 +234,7 @@ class Scheduler:
         hits: dict[int, list[int]] = {}
         if caching:
             for req in window:
-                hits[id(req)] = bm.find_cached_prefix(req.kv, req.num_tokens - 1)
+                hits[id(req)] = bm.find_cached_prefix(req.kv, req.prefix_cache_limit)
             window.sort(
                 key=lambda r: (
                     r.priority,
@@ -254,10 +254,10 @@ class Scheduler:
             if caching:
                 hit = hits[id(req)]
                 if bm.num_evictions != evictions_seen:  # an admission above evicted blocks: look again
-                    hit = bm.find_cached_prefix(req.kv, req.num_tokens - 1)
+                    hit = bm.find_cached_prefix(req.kv, req.prefix_cache_limit)
                 if req.deferred_steps < cfg.max_defer_steps:
                     hashes = req.kv.block_hashes
-                    usable = (req.num_tokens - 1) // bs  # blocks it could ever take from the cache
+                    usable = req.prefix_cache_limit // bs  # blocks it could ever take from the cache
                     if len(hit) < usable and hashes[len(hit)] in pending:
                         continue  # a running request is computing this block right now: wait for it
             num_cached = len(hit) * bs

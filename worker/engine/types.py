@@ -37,6 +37,7 @@ class ErrorKind(str, Enum):  # noqa: UP042
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 LOGPROBS_MAX = 20
+N_MAX = 64  # samples of one prompt (sampling.n)
 
 # The kinds of constraint a request may carry (exactly one), in vLLM's `structured_outputs` names.
 CONSTRAINT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
@@ -122,7 +123,7 @@ class SamplingParams:
     compares them), so a Job's sampling maps over by name alone.
     """
 
-    max_tokens: int = setting(256, minimum=1, maximum=INT32_MAX)
+    max_tokens: int = setting(256, minimum=0, maximum=INT32_MAX)  # 0 only with prompt_logprobs
     min_tokens: int = setting(0, minimum=0, maximum=INT32_MAX)
     temperature: float = setting(1.0, minimum=0, finite=True)
     top_p: float = setting(1.0, above=0, maximum=1, finite=True)
@@ -137,10 +138,17 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = setting(None, minimum=0, maximum=LOGPROBS_MAX)  # top-N per token (0 = the chosen one)
     structured_outputs: StructuredOutputsParams | None = None  # a dict is accepted and converted
+    # Score the prompt: for each position from score_from on, the prompt token's logprob and rank
+    # plus the top-N (0 = the token alone); see worker/engine/scoring.py.
+    prompt_logprobs: int | None = setting(None, minimum=0, maximum=LOGPROBS_MAX)
+    score_from: int = setting(1, minimum=1, maximum=INT32_MAX)  # first prompt position scored
+    n: int = setting(1, minimum=1, maximum=N_MAX)  # samples of the prompt (the engine runs only 1 yet)
 
     def __post_init__(self) -> None:
         self.structured_outputs = _structured_outputs(self.structured_outputs)
         problems = problems_of(self, fields(self))
+        if self.max_tokens == 0 and self.prompt_logprobs is None:
+            problems.append("max_tokens must be >= 1 unless prompt_logprobs is set (max_tokens 0: score only)")
         if self.min_tokens > self.max_tokens:
             problems.append(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         if problems:
@@ -182,6 +190,21 @@ class TokenLogprob:
 
 
 @dataclass
+class PromptLogprob:
+    """One scored prompt position: its token's logprob given the tokens before it, its rank among
+    the vocabulary (1 = the most likely) and the top-N alternatives as (id, logprob)."""
+
+    position: int
+    token_id: int
+    logprob: float
+    rank: int
+    top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+    # The texts of token_id and of the top-N ids (in their order), filled in when the request ends.
+    token: str = ""
+    top_tokens: list[str] = field(default_factory=list)
+
+
+@dataclass
 class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -218,6 +241,11 @@ class RequestDelta:
     output_token_ids: list[int] | None = None
     output_text: str | None = None
     output_logprobs: list[TokenLogprob] | None = None  # one per output token, when logprobs were asked
+    # Set when finished, for a request with prompt_logprobs: one record per scored position (from
+    # score_from on), their logprobs' sum, and whether every scored token was the most likely one.
+    prompt_logprobs: list[PromptLogprob] | None = None
+    prompt_logprob_sum: float | None = None
+    is_greedy: bool | None = None
 
 
 @dataclass
