@@ -107,8 +107,8 @@ class Constraints:
         rows: list[int] = []
         row = 0
         for req, n in zip(out.requests, out.num_new_tokens, strict=True):
-            if req.num_computed_tokens + n != req.num_tokens:
-                continue
+            if req.num_computed_tokens + n != req.num_tokens or req.sampling.max_tokens == 0:
+                continue  # no sampling row: a prefill chunk, or a score-only request
             if req.matcher is not None:
                 matchers.append((req.matcher, len(rows)))
                 rows.append(row)
