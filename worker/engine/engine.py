@@ -353,7 +353,7 @@ class Engine:
             return None
         if self.groups:  # choices waiting for their parent's first sample fork now
             logits = fork_choices(step_in, logits, self.scheduler, self.block_manager, self.runner,
-                                  self.config.max_num_seqs)
+                                  self.config.max_num_seqs, self.constraints, token_mask)
         return launch_sampling(
             self.sampler, logits, step_in.sample_requests, forward_start=runner.forward_start,
             forward_s=runner.last_forward_s, overlapped=overlapped, token_mask=token_mask,

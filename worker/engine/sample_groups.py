@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from worker.engine.block_manager import BlockManager
     from worker.engine.model_runner import ModelRunner, StepInputs
     from worker.engine.scheduler import Scheduler
+    from worker.engine.structured.constraints import Constraints, StepMask
 
 # A group's finish reason when its choices disagree: the worst one wins (an error fails the job).
 _SEVERITY = {
@@ -145,8 +146,6 @@ def check_group_params(params: SamplingParams) -> None:
     """What n > 1 does not combine with (ValueError: the caller refuses the request)."""
     if params.max_tokens == 0:
         raise ValueError("n > 1 needs max_tokens >= 1: a score-only request (max_tokens 0) has one answer")
-    if params.structured_outputs is not None:
-        raise ValueError("n > 1 with structured_outputs is not supported yet: send n jobs with seeds instead")
 
 
 def new_group(request: EngineRequest, make: Callable[[EngineRequest], Request]) -> SampleGroup:
@@ -177,11 +176,12 @@ def end_unforked(group: SampleGroup, parent: Request, reason: FinishReason) -> l
 
 def fork_choices(
     step: StepInputs, logits: torch.Tensor, scheduler: Scheduler, block_manager: BlockManager,
-    runner: ModelRunner, max_num_seqs: int,
+    runner: ModelRunner, max_num_seqs: int, constraints: Constraints, token_mask: StepMask | None = None,
 ) -> torch.Tensor:
     """Fork the waiting children of every parent that samples its first token in this step (see
     the module's docstring); returns the logits with one more row per forked child (the parent's,
-    repeated), and step.sample_requests gains the children in the same order."""
+    repeated), and step.sample_requests gains the children in the same order. A constrained
+    parent's children get copies of its matcher (nothing consumed yet) and its row's mask."""
     rows: list[int] = []
     forked: list[Request] = []
     copies: list[tuple[int, int]] = []
@@ -192,6 +192,10 @@ def fork_choices(
         children, group.unforked = group.unforked, []
         num_tokens = parent.num_tokens  # the prompt: the parent has sampled nothing yet
         for child in children:
+            if parent.matcher is not None:
+                if token_mask is not None:
+                    token_mask.wait_filled()  # the mask fill reads the parent's matcher until then
+                constraints.fork(parent, child)
             if scheduler.num_running >= max_num_seqs or not block_manager.can_fork(num_tokens):
                 scheduler.add(child)  # no room to fork: it runs alone, its prompt mostly cached
                 continue
@@ -201,6 +205,8 @@ def fork_choices(
             child.num_computed_tokens = num_tokens
             child.first_scheduled_time = parent.first_scheduled_time
             scheduler.add_running(child)
+            if token_mask is not None:
+                token_mask.repeat_row(row, len(step.sample_requests) + len(forked))
             rows.append(row)
             forked.append(child)
     if not forked:

@@ -40,6 +40,18 @@ class StepMask:
         self._bitmask = bitmask  # [len(rows), W] int32, row k for sampling row rows[k]
         self.rows = rows
         self._metrics = metrics
+        # (row k of the bitmask, another sampling row it also masks): forked choices of an n > 1
+        # request sample from their parent's logits row under its mask (sample_groups.py).
+        self._repeats: list[tuple[int, int]] = []
+
+    def wait_filled(self) -> None:
+        """Until the helper thread is done with the matchers (before one is copied)."""
+        self._fill.result()
+
+    def repeat_row(self, row: int, new_row: int) -> None:
+        """Sampling row `new_row` (appended after the step's own rows) takes row `row`'s mask."""
+        if row in self.rows:
+            self._repeats.append((self.rows.index(row), new_row))
 
     def apply(self, logits: torch.Tensor) -> None:
         """Wait for the fill, then mask the rows' disallowed ids to -inf in place."""
@@ -48,8 +60,12 @@ class StepMask:
         every_row = len(self.rows) == logits.shape[0]  # rows are ascending sampling rows
         rows = None if every_row else torch.tensor(self.rows, dtype=torch.long, device=logits.device)
         apply_token_bitmask(logits, self._bitmask, rows)
+        if self._repeats:
+            src = [k for k, _ in self._repeats]
+            dst = torch.tensor([r for _, r in self._repeats], dtype=torch.long, device=logits.device)
+            apply_token_bitmask(logits, self._bitmask[src], dst)
         self._metrics.mask_s.append(fill_s + time.perf_counter() - t0)
-        self._metrics.mask_rows.append(len(self.rows))
+        self._metrics.mask_rows.append(len(self.rows) + len(self._repeats))
 
 
 class Constraints:
@@ -143,6 +159,10 @@ class Constraints:
         the mask forbids it: this is a bug, and fails the request alone)."""
         if not self.backend.accept(req.matcher, token_id):
             raise RuntimeError(f"token {token_id} is not allowed by the constraint: {self.backend.error(req.matcher)}")
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """A forked choice of an n > 1 request starts from its parent's matcher state."""
+        child.matcher = self.backend.copy_matcher(parent.matcher)
 
     def finished(self, req: Request) -> bool:
         return self.backend.is_finished(req.matcher)
