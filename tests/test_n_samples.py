@@ -200,3 +200,27 @@ def test_constrained_choices_each_follow_the_constraint_and_equal_single_request
             assert set(value) == {"a", "b"} and value["b"] in "xyz"
     assert_idle(engine)
     assert got == single_choices(make_engine(model_dir), ps, n=4, **kw)
+
+
+def test_abort_after_some_choices_ended_keeps_their_ends(model_dir):
+    engine = make_engine(model_dir)
+    p = prompts(1)[0]
+    first = engine.generate([EngineRequest(request_id="probe", prompt_token_ids=p, sampling=sampled(11))])["probe"]
+    stop = first.output_token_ids[2]  # choice 0 (seed 11) stops on its third token
+    others = {t for j in (1, 2) for t in engine.generate([EngineRequest(
+        request_id=f"o{j}", prompt_token_ids=p, sampling=sampled(11 + j, max_tokens=8))])[f"o{j}"].output_token_ids}
+    assert stop not in others  # so choices 1 and 2 run on (a different prompt would fix this)
+    engine.add(EngineRequest(request_id="a", prompt_token_ids=p,
+                             sampling=sampled(11, n=3, max_tokens=200, stop_token_ids=[stop])))
+    deltas = []
+    while not any(d.choice == 0 and d.request_id == "a" and not d.finished and d.new_token_ids == [stop]
+                  for d in deltas):
+        deltas += engine.step()
+    engine.abort("a")
+    while engine.has_work():
+        deltas += engine.step()
+    (final,) = [d for d in deltas if d.finished]
+    assert final.finish_reason is FinishReason.ABORTED
+    assert [c.finish_reason for c in final.choices] == [FinishReason.STOP, FinishReason.ABORTED, FinishReason.ABORTED]
+    assert final.choices[0].token_ids == first.output_token_ids[:3]
+    assert_idle(engine)

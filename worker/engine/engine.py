@@ -205,8 +205,10 @@ class Engine:
         if req is None:
             return
         group = self.groups.get(request_id)
-        for member in (req, *(group.live_children() if group is not None else ())):
-            self._finish_next.setdefault(member, FinishReason.ABORTED)
+        members = (req,) if group is None else (group.parent, *group.live_children())
+        for member in members:  # a choice that ended already keeps its end
+            if member.status is not RequestStatus.FINISHED:
+                self._finish_next.setdefault(member, FinishReason.ABORTED)
 
     def has_work(self) -> bool:
         return self._has_runnable_work() or bool(self.constraints.num_waiting)
