@@ -224,3 +224,18 @@ def test_abort_after_some_choices_ended_keeps_their_ends(model_dir):
     assert [c.finish_reason for c in final.choices] == [FinishReason.STOP, FinishReason.ABORTED, FinishReason.ABORTED]
     assert final.choices[0].token_ids == first.output_token_ids[:3]
     assert_idle(engine)
+
+
+def test_choices_keep_their_tenant_salt(model_dir):
+    """The forked choices hash their blocks with the tenant's salt: a later request of the same
+    prompt hits the cache in that tenant only."""
+    engine = make_engine(model_dir)
+    p = prompts(1, length=70)[0]
+    engine.generate([EngineRequest(request_id="t", prompt_token_ids=p, sampling=sampled(3, n=4), tenant="acme")])
+    assert_idle(engine)
+    again = {
+        tenant: engine.generate([EngineRequest(request_id=f"r-{tenant}", prompt_token_ids=p, sampling=sampled(3),
+                                               tenant=tenant)])[f"r-{tenant}"].usage.cached_prompt_tokens
+        for tenant in ("acme", "other")
+    }
+    assert again == {"acme": 64, "other": 0}
