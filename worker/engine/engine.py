@@ -476,6 +476,7 @@ class Engine:
             "sample_groups": len(self.groups),
             "queued_ends": len(self._finish_next),
             "compiling": self.constraints.num_waiting,
+            "constrained": len(self.constraints.active),
             "waiting": self.scheduler.num_waiting,
             "running": self.scheduler.num_running,
             "unreported_ends": self.scheduler.num_unreported,

@@ -77,6 +77,8 @@ class Constraints:
         self.compiler = ConstraintCompiler(self.backend, timeout_s=timeout_s, threads=threads,
                                            on_compile=lambda seconds: metrics.compile_s.append(seconds))
         self.waiting: dict[Request, CompileEntry] = {}  # in arrival order
+        # Requests that hold a matcher (until they end): a step without any needs no mask pass.
+        self.active: set[Request] = set()
         self._metrics = metrics
         self._vocab_size = vocab_size
         self._max_rows = max_rows
@@ -93,6 +95,7 @@ class Constraints:
 
     def forget(self, req: Request) -> None:
         self.waiting.pop(req, None)
+        self.active.discard(req)
 
     def poll(self) -> tuple[list[Request], list[tuple[Request, str]]]:
         """Requests whose compile ended: (ready, each with its matcher; failed, with the reason)."""
@@ -108,6 +111,7 @@ class Constraints:
                 failed.append((req, outcome.error))
             else:
                 req.matcher = self.backend.new_matcher(outcome.grammar)
+                self.active.add(req)
                 ready.append(req)
         return ready, failed
 
@@ -119,6 +123,8 @@ class Constraints:
     def start_step(self, out: SchedulerOutput) -> StepMask | None:
         """Start filling the bitmask of the constrained rows that sample in `out` (None if none).
         A row samples when its tokens catch up with the request (the model runner's rule)."""
+        if not self.active:
+            return None
         matchers: list[tuple[object, int]] = []
         rows: list[int] = []
         row = 0
@@ -163,6 +169,7 @@ class Constraints:
     def fork(self, parent: Request, child: Request) -> None:
         """A forked choice of an n > 1 request starts from its parent's matcher state."""
         child.matcher = self.backend.copy_matcher(parent.matcher)
+        self.active.add(child)
 
     def finished(self, req: Request) -> bool:
         return self.backend.is_finished(req.matcher)
