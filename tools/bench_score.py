@@ -52,7 +52,6 @@ import resource
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -277,7 +276,7 @@ def run_hf_score(model_dir: Path, work: ScoreWorkload, dtype: str, *, full_sweep
 
 def _model_allowing(model_dir: Path, positions: int) -> Path:
     """`model_dir`, or a cached copy of it whose config allows `positions` positions."""
-    from tools.tiny_models import cache_root
+    from tools.tiny_models import build_once, cache_root
     from worker.engine.model_config import load_model_config
 
     if load_model_config(model_dir).max_model_len >= positions:
@@ -290,25 +289,15 @@ def _model_allowing(model_dir: Path, positions: int) -> Path:
     # Named after the source directory's path too: two checkpoints named alike never share a copy.
     tag = hashlib.sha256(str(model_dir.resolve()).encode()).hexdigest()[:8]
     target = cache_root() / "models" / f"{model_dir.name}-{tag}-ctx{limit}"
-    if (target / "config.json").exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    try:
+
+    def build(tmp: Path) -> None:
         for item in model_dir.iterdir():
             if item.is_file():
                 shutil.copy2(item, tmp / item.name)
         config["max_position_embeddings"] = limit
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        try:
-            tmp.rename(target)
-        except OSError:
-            if not (target / "config.json").exists():
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return target
+
+    return build_once(target, build)
 
 
 def _kv_cache_gb_for(model_dir: Path, tokens: int, dtype: str, block_size: int) -> float:
