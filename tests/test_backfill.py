@@ -314,3 +314,28 @@ def test_local_backfill_with_a_json_schema_or_choices_fills_the_parsed_column(tm
     assert all(r["finish_reason"] == "stop" and r["parsed"] in choices and r["parsed"] == r["text"] for r in table)
     summary = json.loads((tmp_path / "s.json").read_text())
     assert (summary["ok"], summary["parsed"], summary["unparsed"]) == (6, 6, 0)
+
+
+def test_local_backfill_with_n_samples_writes_every_choice(tmp_path, tiny_llama_dir):
+    """sampling.n > 1: the `texts` column holds every choice (text is choice 0's); OpenAI output
+    gets n body choices."""
+    inp = _write_jsonl(tmp_path / "in.jsonl", _rows(3))
+    sampling = {"max_tokens": 3, "temperature": 1.0, "seed": 7, "n": 3, "ignore_eos": True}
+    spec = JobSpec(prompt_template="Answer: {text}", sampling=sampling)
+    out = tmp_path / "out.jsonl"
+    run_backfill_sync(_cfg(tmp_path, tiny_llama_dir, inp, out, spec=spec))
+    rows = _read_jsonl(out)
+    assert len(rows) == 3
+    for row in rows:
+        assert row["status"] == "ok" and len(row["texts"]) == 3 and row["texts"][0] == row["text"]
+        assert row["usage"]["completion_tokens"] == 9
+    parquet = tmp_path / "out.parquet"
+    run_backfill_sync(_cfg(tmp_path, tiny_llama_dir, inp, parquet, spec=spec))
+    table = pq.read_table(parquet).to_pylist()
+    assert [r["texts"] for r in table] == [r["texts"] for r in rows]  # seeded: the same samples
+    openai = tmp_path / "openai.jsonl"
+    run_backfill_sync(_cfg(tmp_path, tiny_llama_dir, inp, openai, spec=spec, output_format="openai"))
+    for line, row in zip(_read_jsonl(openai), rows, strict=True):
+        choices = line["response"]["body"]["choices"]
+        assert [c["index"] for c in choices] == [0, 1, 2]
+        assert [c["text"] for c in choices] == row["texts"]

@@ -241,8 +241,9 @@ def test_bad_values_are_refused():
 
 def test_the_engine_refuses_what_it_cannot_run():
     engine = Engine(EngineConfig(model=str(cached_tiny_model("test-llama")), dtype="float32", kv_cache_gb=0.01))
-    with pytest.raises(ValueError, match=r"n > 1 is not supported yet"):
-        engine.add(EngineRequest(request_id="a", prompt_token_ids=[5, 6, 7], sampling=SamplingParams(n=2)))
+    with pytest.raises(ValueError, match=r"n > 1 needs max_tokens >= 1"):
+        engine.add(EngineRequest(request_id="a", prompt_token_ids=[5, 6, 7],
+                                 sampling=SamplingParams(n=2, max_tokens=0, prompt_logprobs=0)))
     with pytest.raises(ValueError, match="score_from"):
         engine.add(EngineRequest(request_id="b", prompt_token_ids=[5, 6, 7],
                                  sampling=SamplingParams(prompt_logprobs=1, score_from=3)))

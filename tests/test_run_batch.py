@@ -9,7 +9,7 @@ from worker.cli import main
 BROKEN = {
     7: "{this is not json",
     23: {"custom_id": "bad-n", "method": "POST", "url": "/v1/chat/completions",
-         "body": {"messages": [{"role": "user", "content": "hi"}], "n": 2}},
+         "body": {"messages": [{"role": "user", "content": "hi"}], "n": 65}},
     41: {"custom_id": "bad-max", "method": "POST", "url": "/v1/completions",
          "body": {"prompt": "hello", "max_tokens": 0}},
     66: {"custom_id": "bad-model", "method": "POST", "url": "/v1/completions",
@@ -94,3 +94,25 @@ def test_an_s3_model_is_served_under_its_last_path_part():
     assert served_model_name(Namespace(model="s3://bucket/models/qwen-tiny/", served_model_name=None)) == "qwen-tiny"
     assert served_model_name(Namespace(model="s3://bucket/models/qwen-tiny", served_model_name="given")) == "given"
     assert served_model_name(Namespace(model="/local/dir", served_model_name=None)) is None
+
+
+def test_openai_lines_with_n_get_n_choices(tmp_path, tiny_qwen2_dir):
+    model = tiny_qwen2_dir.name
+    lines = [
+        {"custom_id": "chat-n", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"model": model, "messages": [{"role": "user", "content": "hi"}], "n": 3, "max_tokens": 4,
+                  "seed": 5, "logprobs": True, "top_logprobs": 1}},
+        {"custom_id": "cmpl-n", "method": "POST", "url": "/v1/completions",
+         "body": {"model": model, "prompt": "once upon", "n": 2, "max_tokens": 3, "seed": 9}},
+        {"custom_id": "cmpl-1", "method": "POST", "url": "/v1/completions",
+         "body": {"model": model, "prompt": "once upon", "max_tokens": 3, "seed": 10}},
+    ]
+    path = tmp_path / "n.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    out = run_batch(tmp_path, tiny_qwen2_dir, path, "openai")
+    chat, cmpl, single = (line["response"]["body"] for line in out)
+    assert [c["index"] for c in chat["choices"]] == [0, 1, 2]
+    assert all(c["message"]["role"] == "assistant" and len(c["logprobs"]["content"]) >= 1 for c in chat["choices"])
+    assert [c["index"] for c in cmpl["choices"]] == [0, 1]
+    assert cmpl["choices"][1]["text"] == single["choices"][0]["text"]  # choice 1 drew with seed 9 + 1
+    assert 2 <= cmpl["usage"]["completion_tokens"] <= 6  # both choices' tokens (EOS may end one early)

@@ -1,6 +1,7 @@
 """Scoring jobs end to end on the offline driver: a Job with sampling.prompt_logprobs gets a
 Result whose prompt_logprobs (with token texts), prompt_logprob_sum and is_greedy equal
-transformers' log_softmax over the prompt; max_tokens 0 scores only; n > 1 is refused clearly."""
+transformers' log_softmax over the prompt; max_tokens 0 scores only; an n > 1 job gets its
+choices, each equal to the single job with its seed."""
 
 from __future__ import annotations
 
@@ -81,11 +82,32 @@ def test_a_scoring_job_gets_the_prompt_logprobs_in_its_result(engine, tiny_llama
     assert Result.model_validate_json(score.model_dump_json()) == score
 
 
-def test_n_above_one_is_refused_with_a_clear_error(engine):
-    results = _run(engine, [Job.model_validate({"job_id": "many", "prompt": "hi", "sampling": {"n": 2}})])
+def test_an_n_job_gets_its_choices_each_equal_to_a_single_seeded_job(engine):
+    sampling = {"max_tokens": 6, "temperature": 0.8, "seed": 41, "ignore_eos": True, "logprobs": 1}
+    jobs = [Job.model_validate({"job_id": "many", "prompt": "hi there", "sampling": {**sampling, "n": 3}})]
+    jobs += [Job.model_validate({"job_id": f"one{i}", "prompt": "hi there", "sampling": {**sampling, "seed": 41 + i}})
+             for i in range(3)]
+    results = _run(engine, jobs)
+    many = results[0]
+    assert many.status == "ok", many.error
+    assert [c.index for c in many.choices] == [0, 1, 2]
+    for i, choice in enumerate(many.choices):
+        single = results[1 + i]
+        assert (choice.token_ids, choice.text, choice.finish_reason) == (single.token_ids, single.text, "length")
+        assert choice.completion_tokens == 6 and [r.token_id for r in choice.logprobs] == choice.token_ids
+    assert (many.text, many.token_ids) == (many.choices[0].text, many.choices[0].token_ids)
+    assert many.usage.completion_tokens == 18 and many.usage.prompt_tokens == results[1].usage.prompt_tokens
+    from schemas import Result
+
+    assert Result.model_validate_json(many.model_dump_json()) == many
+
+
+def test_n_with_what_it_does_not_combine_with_is_refused_clearly(engine):
+    results = _run(engine, [Job.model_validate({"job_id": "many", "prompt": "hi",
+                                                "sampling": {"n": 2, "max_tokens": 0, "prompt_logprobs": 0}})])
     refused = results[0]
     assert refused.status == "error" and refused.error.code == "invalid_job"
-    assert "n > 1 is not supported yet" in refused.error.message
+    assert "n > 1 needs max_tokens >= 1" in refused.error.message
 
 
 def test_run_batch_echo_logprobs_line_gives_the_prompt_logprobs_in_openai_shape(tmp_path, tiny_llama_dir):

@@ -117,3 +117,18 @@ def test_tail_tokens_reassembles_and_restarts(kafka_bootstrap, new_topic, capsys
     human = capsys.readouterr().out
     assert "[s1] new attempt w2-b: text restarts" in human
     assert "[s1] finished: 'Salut toi'" in human
+
+
+def test_assembler_keeps_each_choice_of_an_n_job_apart():
+    from worker.engine.types import RequestDelta
+    from worker.kafka.answers import token_event
+
+    deltas = [RequestDelta("j", [5], "a", choice=0), RequestDelta("j", [6], "x", choice=1),
+              RequestDelta("j", [7], "b", choice=0), RequestDelta("j", [8], "y", choice=1, finished=True)]
+    events = [json.loads(token_event("j", "w-1", i, d)) for i, d in enumerate(deltas)]
+    assert [e["choice"] for e in events] == [0, 1, 0, 1]
+    assert "choice" not in json.loads(token_event("k", "w-1", 0, RequestDelta("k", [1], "z")))  # n = 1: as before
+    asm = TokenAssembler()
+    updates = [asm.add(e) for e in events]
+    assert [(u.choice, u.text) for u in updates] == [(0, "a"), (1, "x"), (0, "ab"), (1, "xy")]
+    assert updates[-1].finished and updates[-1].choices == {0: ("ab", [5, 7]), 1: ("xy", [6, 8])}

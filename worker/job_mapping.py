@@ -25,6 +25,7 @@ from schemas import (
     Result,
     Source,
 )
+from schemas import Choice as ChoiceRecord
 from schemas import PromptLogprob as PromptLogprobRecord
 from schemas import Timing as TimingRecord
 from schemas import TokenLogprob as TokenLogprobRecord
@@ -115,6 +116,37 @@ def _logprob_records(logprobs: list[TokenLogprob]) -> list[TokenLogprobRecord]:
     ]
 
 
+def _checked_logprobs(
+    job: Job, request_id: str, token_ids: list[int], given: list[TokenLogprob] | None
+) -> list[TokenLogprobRecord] | None:
+    """The logprob records of one output, when the job asked for them (one per token)."""
+    if job.sampling.logprobs is None:
+        return None
+    if given is None or len(given) != len(token_ids):
+        have = 0 if given is None else len(given)
+        raise ValueError(
+            f"request {request_id}: job asked for logprobs; the final delta has {have} for {len(token_ids)} tokens"
+        )
+    return _logprob_records(given)
+
+
+def _choices(job: Job, delta: RequestDelta) -> list[ChoiceRecord] | None:
+    """The Result's choices of an n > 1 job (None for n = 1: the Result is as before)."""
+    if job.sampling.n == 1:
+        return None
+    if delta.choices is None or len(delta.choices) != job.sampling.n:
+        have = 0 if delta.choices is None else len(delta.choices)
+        raise ValueError(f"request {delta.request_id}: job asked for n={job.sampling.n}; the final delta has {have}")
+    return [
+        ChoiceRecord(
+            index=c.index, text=c.text, token_ids=[int(t) for t in c.token_ids], finish_reason=c.finish_reason.value,
+            logprobs=_checked_logprobs(job, delta.request_id, c.token_ids, c.logprobs),
+            completion_tokens=c.completion_tokens,
+        )
+        for c in delta.choices
+    ]
+
+
 # The engine's reasons for an ERROR finish -> the contract's error codes: the one table.
 ENGINE_ERROR_CODES: dict[ErrorKind, ErrorCode] = {
     ErrorKind.PROMPT_TOO_LONG: ERROR_PROMPT_TOO_LONG,
@@ -180,22 +212,14 @@ def build_result(
                 f"request {delta.request_id}: the final delta lacks output_token_ids/output_text"
             )
         token_ids = [int(t) for t in delta.output_token_ids]
-        records = None
-        if job.sampling.logprobs is not None:
-            given = delta.output_logprobs
-            if given is None or len(given) != len(token_ids):
-                have = 0 if given is None else len(given)
-                raise ValueError(
-                    f"request {delta.request_id}: job asked for logprobs; the final delta has {have} "
-                    f"for {len(token_ids)} tokens"
-                )
-            records = _logprob_records(given)
+        records = _checked_logprobs(job, delta.request_id, token_ids, delta.output_logprobs)
         return Result(
             status=STATUS_OK,
             text=delta.output_text,
             token_ids=token_ids,
             finish_reason=reason.value,
             logprobs=records,
+            choices=_choices(job, delta),
             **_prompt_logprob_fields(delta),
             **common,
         )

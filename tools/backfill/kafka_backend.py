@@ -3,6 +3,9 @@
 The results topic is read from positions kept in the store, committed in the same transaction as
 the results they carried, so a crash never skips or double-counts one. Only records of this
 dataset (job id prefix, see identity.job_id_prefix) are kept.
+
+The backend needs only the connection and topics (`KafkaSettings`), so other resumable clients
+(`tokenmill eval`) reuse it with their own job ids; a BackfillConfig is taken as is.
 """
 
 from __future__ import annotations
@@ -11,7 +14,8 @@ import asyncio
 import json
 import logging
 import time
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from tools.backfill.backend import Backend
 from tools.backfill.config import BackfillConfig
@@ -23,9 +27,27 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class KafkaSettings:
+    """Where the jobs go and the Results come from."""
+
+    bootstrap_servers: str | None
+    jobs_topic: str = "tokenmill.jobs"  # 'tokenmill.jobs.{model}' routes by the job's model
+    results_topic: str = "tokenmill.results"
+    kafka_options: dict[str, Any] = field(default_factory=dict)  # security kwargs for aiokafka
+    model: str | None = None  # the served model name the jobs carry
+
+    @classmethod
+    def of(cls, cfg: BackfillConfig | KafkaSettings) -> KafkaSettings:
+        if isinstance(cfg, KafkaSettings):
+            return cfg
+        return cls(cfg.bootstrap_servers, cfg.jobs_topic, cfg.results_topic, dict(cfg.kafka_options), cfg.spec.model)
+
+
 class KafkaBackend(Backend):
-    def __init__(self, cfg: BackfillConfig, id_prefix: str):
+    def __init__(self, cfg: BackfillConfig | KafkaSettings, id_prefix: str):
         super().__init__()
+        cfg = KafkaSettings.of(cfg)
         if not cfg.bootstrap_servers:
             raise ValueError("--engine kafka needs --bootstrap-servers")
         self.cfg = cfg
@@ -33,7 +55,7 @@ class KafkaBackend(Backend):
         self.producer = None
         self.consumer = None
         self.collector: asyncio.Task | None = None
-        self.model_name = cfg.spec.model or ""
+        self.model_name = cfg.model or ""
 
     async def start(self, store: ResultStore) -> str | None:
         from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
@@ -69,7 +91,7 @@ class KafkaBackend(Backend):
             self.consumer.seek(tp, stored[tp.partition])
         self.store = store
         self.collector = asyncio.create_task(self._collect())
-        return None  # the model is identified by its served name (JobSpec.model)
+        return None  # the model is identified by its served name (KafkaSettings.model)
 
     async def _collect(self) -> None:
         while True:
@@ -96,11 +118,16 @@ class KafkaBackend(Backend):
             return template.format(model=job.model)
         return template
 
+    def partition_key(self, job: Job) -> bytes:
+        """The jobs-topic key (the partition it goes to): its job id; subclasses may group jobs
+        that share a prompt prefix on one partition, so one worker's prefix cache serves them."""
+        return job.job_id.encode()
+
     async def submit(self, jobs: list[Job]) -> None:
         futures = []
         for job in jobs:
             futures.append(await self.producer.send(self._topic_for(job), value=job.to_json_bytes(),
-                                                    key=job.job_id.encode()))
+                                                    key=self.partition_key(job)))
         await asyncio.gather(*futures)
         self._raise_if_collector_failed()
 

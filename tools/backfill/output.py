@@ -7,7 +7,8 @@ Formats:
   with a json, json_object or choice constraint also `parsed` (constraints.py): in JSONL the parsed
   JSON value itself (or the label), in Parquet a string column holding it as compact JSON text (or
   the label), since one schema-free column type has to fit every schema; null where the output
-  did not parse.
+  did not parse. With sampling.n > 1 also `texts`: every choice's text, by index (`text` is
+  choice 0's).
 - `openai`: OpenAI Batch output lines (`id`, `custom_id`, `response`, `error`), JSONL.
 """
 
@@ -24,7 +25,7 @@ OUTPUT_FORMATS = ("jsonl", "parquet", "openai")
 _PARQUET_ROWS_PER_GROUP = 8192
 
 
-def output_row(stored: StoredRow, parser: OutputParser | None = None) -> dict[str, Any]:
+def output_row(stored: StoredRow, parser: OutputParser | None = None, samples: bool = False) -> dict[str, Any]:
     result = stored.result or {}
     usage = result.get("usage") or {}
     error = result.get("error") or {}
@@ -52,10 +53,13 @@ def output_row(stored: StoredRow, parser: OutputParser | None = None) -> dict[st
     }
     if parser is not None:
         row["parsed"] = parser.value(result)
+    if samples:  # n > 1: each choice's text (null for a row without a result's choices, e.g. an error)
+        choices = result.get("choices")
+        row["texts"] = [c.get("text", "") for c in choices] if choices else None
     return row
 
 
-def _parquet_schema(parsed: bool):
+def _parquet_schema(parsed: bool, samples: bool = False):
     import pyarrow as pa
 
     return pa.schema(
@@ -74,14 +78,18 @@ def _parquet_schema(parsed: bool):
             ("error_message", pa.string()),
         ]
         + ([("parsed", pa.string())] if parsed else [])
+        + ([("texts", pa.list_(pa.string()))] if samples else [])
     )
 
 
-def write_output(store: ResultStore, path: Path, fmt: str, parser: OutputParser | None = None) -> int:
+def write_output(
+    store: ResultStore, path: Path, fmt: str, parser: OutputParser | None = None, samples: bool = False
+) -> int:
     """Write every row of the store to a local file; return the number of rows written.
 
     Every row must have a result (the caller checks); a row without one is a bug, not a blank line.
-    With a parser, the jsonl and parquet rows get the `parsed` column (the parser counts them).
+    With a parser, the jsonl and parquet rows get the `parsed` column (the parser counts them);
+    with `samples` (sampling.n > 1) the `texts` column.
     """
     if fmt not in OUTPUT_FORMATS:
         raise ValueError(f"unknown output format {fmt!r}; expected one of {', '.join(OUTPUT_FORMATS)}")
@@ -91,13 +99,13 @@ def write_output(store: ResultStore, path: Path, fmt: str, parser: OutputParser 
         import pyarrow as pa
         import pyarrow.parquet as pq
 
-        schema = _parquet_schema(parser is not None)
+        schema = _parquet_schema(parser is not None, samples)
         buf: list[dict] = []
         with pq.ParquetWriter(str(path), schema) as writer:
             for stored in store.iter_output():
                 _check(stored, expected_row)
                 expected_row += 1
-                row = output_row(stored, parser)
+                row = output_row(stored, parser, samples)
                 if parser is not None:
                     row["parsed"] = parser.column_text(row["parsed"])
                 buf.append(row)
@@ -121,7 +129,7 @@ def write_output(store: ResultStore, path: Path, fmt: str, parser: OutputParser 
                     Result.model_validate(stored.result), "/v1/chat/completions" if stored.chat else "/v1/completions"
                 )
             else:
-                line = output_row(stored, parser)
+                line = output_row(stored, parser, samples)
             f.write(json.dumps(line, ensure_ascii=False) + "\n")
             written += 1
     return written

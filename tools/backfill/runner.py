@@ -125,7 +125,8 @@ async def run_backfill(cfg: BackfillConfig) -> Summary:
         store.prune_results()
         parser = OutputParser.for_sampling(cfg.spec.sampling) if out_fmt != "openai" else None
         with local_output(cfg.output) as tmp:
-            written = write_output(store, tmp, out_fmt, parser)
+            samples = int(cfg.spec.sampling.get("n") or 1) > 1  # n > 1: the `texts` column
+            written = write_output(store, tmp, out_fmt, parser, samples)
         if parser is not None:
             summary.parsed, summary.unparsed = parser.parsed, parser.unparsed
         if written != store.row_count():

@@ -4,7 +4,9 @@ Tables:
 - `rows`:    row number -> job id, row key, and the OpenAI url kind; rewritten each run as the
              input is streamed, so a changed row or config simply points the row at a new job id.
 - `results`: job id -> the first Result received (later duplicates of the same job id are
-             ignored: at-least-once delivery deduplicated here).
+             ignored: at-least-once delivery deduplicated here). Only results of planned rows
+             are kept, unless the store is opened with ``keep_unplanned`` (an evaluation plans
+             its jobs in several rounds and must keep a result that comes before its round).
 - `offsets`: the results-topic position already folded into `results` (committed in the same
              transaction as the results, so a crash never skips or double-counts a result).
 
@@ -64,8 +66,9 @@ class StoredRow:
 
 
 class ResultStore:
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, *, keep_unplanned: bool = False):
         self.path = Path(path)
+        self.keep_unplanned = keep_unplanned
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.db = sqlite3.connect(str(self.path), isolation_level=None, check_same_thread=False)
         self.db.execute("PRAGMA journal_mode=WAL")
@@ -131,7 +134,8 @@ class ResultStore:
     def add_results(
         self, results: Iterable[dict[str, Any]], offsets: dict[tuple[str, int], int] | None = None
     ) -> list[dict[str, Any]]:
-        """Store results of our rows that have none yet; return the ones newly stored.
+        """Store results of our rows (any job, with keep_unplanned) that have none yet; return the
+        ones newly stored.
 
         offsets (topic, partition) -> next offset are saved in the same transaction.
         """
@@ -143,7 +147,9 @@ class ResultStore:
                 job_id = res.get("job_id")
                 if not isinstance(job_id, str):
                     continue
-                if self.db.execute("SELECT 1 FROM rows WHERE job_id=? LIMIT 1", (job_id,)).fetchone() is None:
+                if not self.keep_unplanned and self.db.execute(
+                    "SELECT 1 FROM rows WHERE job_id=? LIMIT 1", (job_id,)
+                ).fetchone() is None:
                     continue  # not one of this backfill's rows (or a row since changed)
                 usage = res.get("usage") or {}
                 cur = self.db.execute(
@@ -179,6 +185,15 @@ class ResultStore:
             "LEFT JOIN results ON results.job_id = rows.job_id GROUP BY 1"
         ):
             out[status] = out.get(status, 0) + n
+        return out
+
+    def results_for(self, job_ids: Iterable[str]) -> dict[str, dict[str, Any]]:
+        """The stored Result (as JSON) of each of these job ids that has one."""
+        out = {}
+        for job_id in job_ids:
+            got = self.db.execute("SELECT result FROM results WHERE job_id=?", (job_id,)).fetchone()
+            if got is not None:
+                out[job_id] = json.loads(got[0])
         return out
 
     def row_count(self) -> int:

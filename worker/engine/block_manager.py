@@ -147,16 +147,50 @@ class BlockManager:
             state.num_registered_blocks = len(table)
         need = -(-num_tokens // self.block_size) - len(table)
         for _ in range(need):
-            b, _ = free.popitem(last=False)
-            old = self.block_hash[b]
-            if old is not None:  # lazy eviction: the block's cached content is overwritten now
-                if self.cached.get(old) == b:
-                    del self.cached[old]
-                self.block_hash[b] = None
-                self.num_evictions += 1
-            refs[b] = 1
-            table.append(b)
+            table.append(self._take_free_block())
         return True
+
+    def _take_free_block(self) -> int:
+        """The front of the free list, for new tokens (referenced once)."""
+        b, _ = self.free.popitem(last=False)
+        old = self.block_hash[b]
+        if old is not None:  # lazy eviction: the block's cached content is overwritten now
+            if self.cached.get(old) == b:
+                del self.cached[old]
+            self.block_hash[b] = None
+            self.num_evictions += 1
+        self.ref_counts[b] = 1
+        return b
+
+    def can_fork(self, num_tokens: int) -> bool:
+        """Whether fork(..., num_tokens) finds the block it may need for the copy."""
+        return num_tokens % self.block_size == 0 or bool(self.free)
+
+    def fork(self, parent: BlockState, child: BlockState, num_tokens: int) -> tuple[int, int] | None:
+        """Give `child` (empty block table, the same first `num_tokens` tokens) the parent's K/V of
+        them: full blocks shared by reference, the last partly filled block as a fresh block whose
+        contents the caller copies (see can_fork). Returns (source, destination) of that copy, or
+        None when the tokens fill whole blocks."""
+        if not self.can_fork(num_tokens):
+            raise ValueError("no free block for the forked request's last block")
+        if child.block_table:
+            raise ValueError("a fork starts an empty block table")
+        bs = self.block_size
+        full, partial = divmod(num_tokens, bs)
+        if len(parent.block_table) < full + (1 if partial else 0):
+            raise ValueError(f"the parent holds {len(parent.block_table)} blocks, {num_tokens} tokens need more")
+        refs = self.ref_counts
+        for b in parent.block_table[:full]:
+            refs[b] += 1
+            child.block_table.append(b)
+        # The shared blocks' hashes are the parent's (the same tokens); they are registered by it.
+        child.block_hashes = list(parent.update_hashes(bs, full * bs)[:full])
+        child.num_registered_blocks = 0
+        if not partial:
+            return None
+        dst = self._take_free_block()
+        child.block_table.append(dst)
+        return parent.block_table[full], dst
 
     def register_computed(self, state: BlockState, num_computed_tokens: int) -> None:
         """Enter the request's full blocks whose tokens are now computed into the prefix cache."""

@@ -21,7 +21,10 @@ each token it takes advances its matcher; a complete grammar finishes it with ST
 
 A request with prompt_logprobs has its prompt scored as the prompt is computed (scoring.py; its
 prefix-cache lookup stops before the first position to score); with max_tokens 0 it samples no
-token and ends with LENGTH once its prompt is computed. `n` > 1 is refused by add() for now.
+token and ends with LENGTH once its prompt is computed.
+
+A request with `n` > 1 is a group of n choices (sample_groups.py): choice 0 computes the prompt, the
+others fork its KV blocks in the step it samples its first token, and decode as rows of their own.
 
 Imports nothing from Kafka, pydantic schemas or boto3: it must run alone on a GPU machine.
 """
@@ -42,6 +45,7 @@ from worker.engine.model_runner import ModelRunner
 from worker.engine.outputs import final_delta, token_delta, token_logprobs
 from worker.engine.overlap import LaunchedStep, Overlap, launch_sampling
 from worker.engine.request import Request, RequestStatus
+from worker.engine.sample_groups import SampleGroup, check_group_params, end_unforked, fork_choices, new_group
 from worker.engine.sampler import SampledToken
 from worker.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from worker.engine.sizing import resolve_async_scheduling, resolve_device, resolve_graph_mode, size_kv_cache
@@ -103,7 +107,8 @@ class Engine:
         self.runner.capture_graphs(fall_back=config.cuda_graphs == "auto")
         self.sampler = Sampler(seed=config.seed)
         self.overlap = Overlap(resolve_async_scheduling(config.async_scheduling, self.device))
-        self.requests: dict[str, Request] = {}
+        self.requests: dict[str, Request] = {}  # by request id; for n > 1 the group's choice 0
+        self.groups: dict[str, SampleGroup] = {}  # the n > 1 requests, by request id
         self._token_texts: dict[int, str] = {}  # token id -> its text alone (logprob records)
         self._finish_next: dict[Request, FinishReason] = {}  # aborts and refusals, ended at the next step
         # More failed steps in a row than a bisection of a full batch needs: the device is broken.
@@ -156,7 +161,7 @@ class Engine:
             raise ValueError(f"duplicate request_id {request.request_id!r}: it is still in the engine")
         params = request.sampling
         if params.n > 1:
-            raise ValueError("n > 1 is not supported yet")
+            check_group_params(params)
         ids = self._encode(request)
         if not ids:
             raise ValueError("the prompt is empty (no tokens)")
@@ -169,10 +174,20 @@ class Engine:
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
-        detokenizer = IncrementalDetokenizer(self.tokenizer, ids, request.sampling.stop)
-        req = Request(request, ids, eos_token_ids=self.eos_token_ids, detokenizer=detokenizer)
+        def make(r: EngineRequest) -> Request:
+            detokenizer = IncrementalDetokenizer(self.tokenizer, ids, r.sampling.stop)
+            return Request(r, ids, eos_token_ids=self.eos_token_ids, detokenizer=detokenizer)
+
+        if params.n > 1:
+            group = new_group(request, make)
+            self.groups[request.request_id] = group
+            for member in group.members:
+                self.overlap.track(member)
+            req = group.parent
+        else:
+            req = make(request)
+            self.overlap.track(req)
         self.requests[req.request_id] = req
-        self.overlap.track(req)
         self._stats.prompt_tokens_total += len(ids)
         if len(ids) > self.max_model_len:
             message = f"the prompt has {len(ids)} tokens, the engine allows at most {self.max_model_len}"
@@ -187,8 +202,13 @@ class Engine:
     def abort(self, request_id: str) -> None:
         """Finish the request with ABORTED at the next step (unknown or finished ids are ignored)."""
         req = self.requests.get(request_id)
-        if req is not None and req not in self._finish_next:
-            self._finish_next[req] = FinishReason.ABORTED
+        if req is None:
+            return
+        group = self.groups.get(request_id)
+        members = (req,) if group is None else (group.parent, *group.live_children())
+        for member in members:  # a choice that ended already keeps its end
+            if member.status is not RequestStatus.FINISHED:
+                self._finish_next.setdefault(member, FinishReason.ABORTED)
 
     def has_work(self) -> bool:
         return self._has_runnable_work() or bool(self.constraints.num_waiting)
@@ -272,11 +292,17 @@ class Engine:
         log.warning("engine step failed in %s for %d request(s); isolating the cause: %s",
                     fault.phase, len(fault.suspects), describe(fault.error), exc_info=fault.error)
         convicted = self.faults.on_fault(fault)
-        self.overlap.drop(self.requests.values())
+        self.overlap.drop(self._live_requests())
         self.scheduler.preempt_all()
         self.scheduler.finish_many([(req, FinishReason.ERROR) for req in convicted])
         now = time.time()
         self._convicted += [self._failed(req, fault.error, now) for req in convicted]
+
+    def _live_requests(self) -> Iterable[Request]:
+        """Every request in the engine, the forked choices of n > 1 requests included."""
+        yield from self.requests.values()
+        for group in self.groups.values():
+            yield from group.live_children()
 
     def _failed(self, req: Request, error: Exception, now: float) -> RequestDelta:
         """The final delta of a request the engine failed on (ERROR, INTERNAL, the exception in
@@ -327,6 +353,9 @@ class Engine:
         self.metrics.record_kv_use(step_in, self.block_manager.num_used_blocks)
         if logits is None:
             return None
+        if self.groups:  # choices waiting for their parent's first sample fork now
+            logits = fork_choices(step_in, logits, self.scheduler, self.block_manager, self.runner,
+                                  self.config.max_num_seqs, self.constraints, token_mask)
         return launch_sampling(
             self.sampler, logits, step_in.sample_requests, forward_start=runner.forward_start,
             forward_s=runner.last_forward_s, overlapped=overlapped, token_mask=token_mask,
@@ -407,17 +436,30 @@ class Engine:
         self, req: Request, reason: FinishReason, now: float, new_ids: list[int] | None = None, text: str = "",
         logprobs: list[TokenLogprob] | None = None,
     ) -> RequestDelta:
-        """The engine's part of a request's end: forget it, count it, build its final delta."""
-        self.requests.pop(req.request_id, None)
+        """The engine's part of a request's end: forget it, count it, build its final delta (for a
+        choice of an n > 1 request: the group's delta, see SampleGroup.record)."""
         self.overlap.forget(req)
         self.constraints.forget(req)
         self.faults.forget(req)
-        self._stats.cached_prompt_tokens_total += req.num_cached_prompt_tokens
         delta = final_delta(req, reason, now, new_ids, text, logprobs)
         for record in delta.prompt_logprobs or ():  # the records' token texts, for the Result
             record.token = self._token_text(record.token_id)
             record.top_tokens = [self._token_text(i) for i, _ in record.top_logprobs]
-        return delta
+        group = req.group
+        if group is None:
+            self.requests.pop(req.request_id, None)
+            self._stats.cached_prompt_tokens_total += req.num_cached_prompt_tokens
+            return delta
+        if req.choice == 0:
+            self._stats.cached_prompt_tokens_total += req.num_cached_prompt_tokens
+            for child in end_unforked(group, req, reason):  # they never ran: they end alike
+                self.overlap.forget(child)
+                group.record(child.choice, final_delta(child, reason, now))
+        out = group.record(req.choice, delta)
+        if group.done:
+            self.requests.pop(req.request_id, None)
+            del self.groups[req.request_id]
+        return out
 
     def _token_text(self, token_id: int) -> str:
         text = self._token_texts.get(token_id)
@@ -431,8 +473,10 @@ class Engine:
         ended and its end named in a step): a leak shows here."""
         return {
             "requests": len(self.requests),
+            "sample_groups": len(self.groups),
             "queued_ends": len(self._finish_next),
             "compiling": self.constraints.num_waiting,
+            "constrained": len(self.constraints.active),
             "waiting": self.scheduler.num_waiting,
             "running": self.scheduler.num_running,
             "unreported_ends": self.scheduler.num_unreported,

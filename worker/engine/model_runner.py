@@ -242,6 +242,19 @@ class ModelRunner:
     def kv_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, block_size: int) -> int:
         return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy whole KV blocks (source, destination) in every layer: the forked choices of an
+        n > 1 request get their own copy of the prompt's last, partly filled block. Queued after
+        the forward that wrote the sources (the same stream on CUDA)."""
+        if not pairs:
+            return
+        src = torch.tensor([p[0] for p in pairs], dtype=torch.int64, device=self.device)
+        dst = torch.tensor([p[1] for p in pairs], dtype=torch.int64, device=self.device)
+        with torch.inference_mode():
+            for k, v in self.kv_caches:
+                k.index_copy_(0, dst, k.index_select(0, src))
+                v.index_copy_(0, dst, v.index_select(0, src))
+
     # ------------------------------------------------------------------ rows
     @property
     def num_rows_in_use(self) -> int:

@@ -19,6 +19,7 @@ def token_delta(req: Request, token_id: int, text: str, logprobs: list[TokenLogp
     return RequestDelta(
         request_id=req.request_id, new_token_ids=[token_id], text_delta=text, logprobs=logprobs,
         usage=Usage(req.num_prompt_tokens, len(req.output_token_ids), req.num_cached_prompt_tokens),
+        choice=req.choice,
     )
 
 

@@ -133,7 +133,7 @@ class Overlap:
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled  # async scheduling asked for (or chosen by "auto")
         self.in_flight: LaunchedStep | None = None  # the step whose ids are on the way
-        self.needs_host_history: set[str] = set()  # ids of requests for which steps run synchronously
+        self.needs_host_history: set[Request] = set()  # requests for which steps run synchronously
 
     @property
     def active(self) -> bool:
@@ -148,11 +148,11 @@ class Overlap:
     def track(self, request: Request) -> None:
         """A request entered the engine."""
         if needs_host_history(request.sampling):
-            self.needs_host_history.add(request.request_id)
+            self.needs_host_history.add(request)
 
     def forget(self, request: Request) -> None:
         """A request left the engine."""
-        self.needs_host_history.discard(request.request_id)
+        self.needs_host_history.discard(request)
 
     def swap(self, launched: LaunchedStep | None) -> LaunchedStep | None:
         """`launched` goes in flight; the step that was in flight comes out, to be taken in."""

@@ -58,7 +58,7 @@ class Request:
         "prompt_token_ids", "num_prompt_tokens", "output_token_ids", "kv", "num_computed_tokens",
         "status", "finish_reason", "error_kind", "error", "num_cached_prompt_tokens", "ever_scheduled",
         "deferred_steps", "first_scheduled_time", "first_token_time", "detokenizer", "sampling_inputs",
-        "output_logprobs", "runner_row", "matcher", "prompt_scores", "next_score_pos",
+        "output_logprobs", "runner_row", "matcher", "prompt_scores", "next_score_pos", "group", "choice",
     )
 
     def __init__(
@@ -107,6 +107,9 @@ class Request:
         # The constraint's matcher, advanced by every output token (structured/constraints.py);
         # None for an unconstrained request, and until its constraint has compiled.
         self.matcher = None
+        # A choice of an n > 1 request (sample_groups.py): its SampleGroup and index; None for n = 1.
+        self.group = None
+        self.choice: int | None = None
 
     @property
     def num_tokens(self) -> int:

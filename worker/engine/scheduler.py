@@ -106,6 +106,13 @@ class Scheduler:
         if request.deadline_ms is not None:
             self._num_waiting_with_deadline += 1
 
+    def add_running(self, request: Request) -> None:
+        """A request that joins the running batch with its tokens computed already: a forked
+        choice of an n > 1 request (sample_groups.py), whose blocks it holds."""
+        request.status = RequestStatus.RUNNING
+        request.ever_scheduled = True
+        self.running.append(request)
+
     def _take_from_waiting(self, request: Request) -> None:
         self.waiting.remove(request)
         if request.deadline_ms is not None:

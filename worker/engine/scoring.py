@@ -96,13 +96,30 @@ def score_hidden(
     ranks: list[int] = []
     top_ids: list[list[int]] = []
     top_lps: list[list[float]] = []
+    # Two [chunk, vocab] float32 blocks serve every chunk: the logits (the first chunk's tensor,
+    # written into again) and a work block for the exp and the rank comparison. With fresh blocks
+    # per chunk (logits, logsumexp's exp, the comparison mask) the host heap, whose freed memory
+    # stays mapped (host_memory.py), fragmented and grew: a 4,096-token prompt then peaked about
+    # twice as far above the loaded engine, and by a different amount from run to run.
+    logits_buf: torch.Tensor | None = None
+    work: torch.Tensor | None = None
     for start in range(0, hidden.shape[0], chunk):
-        logits = model.compute_logits(hidden[start : start + chunk]).float()
+        h = hidden[start : start + chunk]
+        out = None if logits_buf is None else logits_buf[: h.shape[0]]
+        logits = model.compute_logits(h, out=out).float()
+        if logits_buf is None:
+            logits_buf = logits
+        if work is None or work.shape[0] < logits.shape[0]:
+            work = torch.empty_like(logits)
+        w = work[: logits.shape[0]]
         t = targets[start : start + chunk].to(logits.device)
-        lse = torch.logsumexp(logits, dim=-1)
+        peak = logits.amax(dim=-1, keepdim=True)
+        torch.sub(logits, peak, out=w).exp_()
+        lse = w.sum(dim=-1).log_().add_(peak.squeeze(1))
         chosen = logits.gather(1, t[:, None]).squeeze(1)
         logprobs += (chosen - lse).tolist()
-        ranks += ((logits > chosen[:, None]).sum(dim=-1) + 1).tolist()
+        torch.gt(logits, chosen[:, None], out=w)  # 1.0 where a token is more likely than the target
+        ranks += w.sum(dim=-1).add_(1).long().tolist()
         if top_n:
             values, ids = logits.topk(top_n, dim=-1)
             top_ids += ids.tolist()

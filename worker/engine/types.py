@@ -142,7 +142,7 @@ class SamplingParams:
     # plus the top-N (0 = the token alone); see worker/engine/scoring.py.
     prompt_logprobs: int | None = setting(None, minimum=0, maximum=LOGPROBS_MAX)
     score_from: int = setting(1, minimum=1, maximum=INT32_MAX)  # first prompt position scored
-    n: int = setting(1, minimum=1, maximum=N_MAX)  # samples of the prompt (the engine runs only 1 yet)
+    n: int = setting(1, minimum=1, maximum=N_MAX)  # samples of the prompt (sample_groups.py)
 
     def __post_init__(self) -> None:
         self.structured_outputs = _structured_outputs(self.structured_outputs)
@@ -220,6 +220,18 @@ class Timing:
 
 
 @dataclass
+class ChoiceOutput:
+    """One choice of an n > 1 request, in its group's final delta (sample_groups.py)."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason
+    logprobs: list[TokenLogprob] | None = None  # one per token, when logprobs were asked
+    completion_tokens: int = 0
+
+
+@dataclass
 class RequestDelta:
     """What one Engine.step() produced for one request.
 
@@ -246,6 +258,10 @@ class RequestDelta:
     prompt_logprobs: list[PromptLogprob] | None = None
     prompt_logprob_sum: float | None = None
     is_greedy: bool | None = None
+    # A request with n > 1: every delta names the choice its tokens belong to; the final one (sent
+    # when the last choice ends) carries every choice, and its output_* fields are choice 0's.
+    choice: int | None = None
+    choices: list[ChoiceOutput] | None = None
 
 
 @dataclass

@@ -102,7 +102,7 @@ def expired_result(job: Job, *, model: str, worker: str, attempt: str, source: S
 def token_event(job_id: str, attempt: str, index: int, delta: RequestDelta) -> bytes:
     return TokenEvent(
         job_id=job_id, attempt=attempt, index=index, token_ids=[int(t) for t in delta.new_token_ids],
-        text=delta.text_delta, finished=bool(delta.finished),
+        text=delta.text_delta, finished=bool(delta.finished), choice=delta.choice,
     ).to_json_bytes()
 
 

@@ -1,4 +1,4 @@
-"""`tokenmill bench --workload {mixed,prefix,kafka,structured} --model {tiny-llama,smollm2,DIR} [--json PATH]`."""
+"""`tokenmill bench --workload {mixed,prefix,kafka,structured,score,n} --model {tiny-llama,smollm2,DIR} [--json PATH]`."""
 
 from __future__ import annotations
 
@@ -12,31 +12,39 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "bench",
         help="benchmark the engine: mixed (vs transformers generate), prefix (vs no prefix cache), "
         "kafka (mixed through a broker and a worker vs the engine alone), structured (JSON-schema "
-        "constrained vs unconstrained)",
+        "constrained vs unconstrained), score (multiple-choice loglikelihoods vs transformers), n (n = 8 "
+        "samples per prompt vs single jobs)",
         description=(
             "mixed: 256 requests, prompt 16-512 tokens, output 16-256 (ignore_eos), against transformers "
             "generate with the best static batch of 8/32/64. prefix: 128 requests sharing a 512-token "
             "prefix plus 32 unique tokens, 32 output tokens, against the same engine without prefix "
             "caching. kafka: the mixed workload through a real broker and a worker, against the engine "
             "alone. structured: 256 requests over 8 JSON schemas, every row constrained, against the "
-            "same requests unconstrained with the same output lengths. Prints a table; --json writes "
-            "the report."
+            "same requests unconstrained with the same output lengths. score: 64 four-choice questions "
+            "(a ~400-token shared context, ~10-token continuations), 256 score-only requests, against "
+            "transformers computing the same loglikelihoods (best batch of 8/32), plus the peak memory of "
+            "one --memory-tokens prompt scored against the same prompt plain. n: 32 prompts (200-300 "
+            "tokens) with n = 8 samples of 32 tokens, against the same 256 samples as single seeded "
+            "jobs (prefix cache on in both; --requests sets the prompts). Prints a table; --json "
+            "writes the report."
         ),
     )
-    p.add_argument("--workload", required=True, choices=["mixed", "prefix", "kafka", "structured"])
+    p.add_argument("--workload", required=True, choices=["mixed", "prefix", "kafka", "structured", "score", "n"])
     p.add_argument("--bootstrap-servers", default=None,
                    help="kafka workload: an existing broker (default: start a throw-away local one)")
     p.add_argument("--model", required=True, help="tiny-llama, smollm2 or a checkpoint directory")
     p.add_argument("--json", default=None, metavar="PATH", help="write the report as JSON here")
     p.add_argument("--requests", type=positive_int, default=None,
-                   help="number of requests (default: 256 for mixed and structured, 128 for prefix); "
-                   "small for quick runs")
+                   help="number of requests (default: 256 for mixed, structured and score, 128 for prefix; "
+                   "score: a multiple of 4, one question per 4); small for quick runs")
     p.add_argument("--workload-seed", type=int, default=0)
     p.add_argument("--threads", type=positive_int, default=1,
                    help="torch intra-op threads for both sides (default 1: shared small CPUs stall otherwise)")
     p.add_argument("--repeats", type=positive_int, default=3,
                    help="structured: run the (constrained, unconstrained) pair of passes this many times, "
                    "alternating, and pool their step times (default 3)")
+    p.add_argument("--memory-tokens", type=int, default=None, metavar="N",
+                   help="score: prompt length of the memory figure (default 4096; 0 skips it)")
     p.add_argument("--full-sweep", action="store_true",
                    help="run every static batch size over the whole workload (default: calibrate on 64 requests)")
     add_engine_options(p, model_required=False)
@@ -62,9 +70,17 @@ def run(args: argparse.Namespace) -> int:
         if args.json:
             write_json(report, args.json)
         return 0
+    workload_options = None
+    if args.workload == "score":
+        workload_options = {"threads": args.threads}
+        if args.memory_tokens is not None:
+            workload_options["memory_tokens"] = args.memory_tokens
+    elif args.memory_tokens is not None:
+        raise SystemExit("--memory-tokens is an option of --workload score")
     report = run_bench(
         args.workload, args.model, num_requests=args.requests, seed=args.workload_seed,
         engine_options=options, full_sweep=args.full_sweep, repeats=args.repeats,
+        workload_options=workload_options,
     )
     report["threads"] = args.threads
     print(format_table(report))

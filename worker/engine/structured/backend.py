@@ -30,6 +30,9 @@ class ConstraintBackend(Protocol):
     def new_matcher(self, grammar: Any) -> Any:
         """A matcher at the grammar's start, for one request."""
 
+    def copy_matcher(self, matcher: Any) -> Any:
+        """An independent matcher in the same state (a forked choice of an n > 1 request)."""
+
     def fill_bitmask(self, matchers: Sequence[tuple[Any, int]], bitmask: torch.Tensor) -> None:
         """Write each matcher's allowed tokens into row `index` of the int32 CPU bitmask [K, W]."""
 

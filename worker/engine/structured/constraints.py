@@ -40,6 +40,18 @@ class StepMask:
         self._bitmask = bitmask  # [len(rows), W] int32, row k for sampling row rows[k]
         self.rows = rows
         self._metrics = metrics
+        # (row k of the bitmask, another sampling row it also masks): forked choices of an n > 1
+        # request sample from their parent's logits row under its mask (sample_groups.py).
+        self._repeats: list[tuple[int, int]] = []
+
+    def wait_filled(self) -> None:
+        """Until the helper thread is done with the matchers (before one is copied)."""
+        self._fill.result()
+
+    def repeat_row(self, row: int, new_row: int) -> None:
+        """Sampling row `new_row` (appended after the step's own rows) takes row `row`'s mask."""
+        if row in self.rows:
+            self._repeats.append((self.rows.index(row), new_row))
 
     def apply(self, logits: torch.Tensor) -> None:
         """Wait for the fill, then mask the rows' disallowed ids to -inf in place."""
@@ -48,8 +60,12 @@ class StepMask:
         every_row = len(self.rows) == logits.shape[0]  # rows are ascending sampling rows
         rows = None if every_row else torch.tensor(self.rows, dtype=torch.long, device=logits.device)
         apply_token_bitmask(logits, self._bitmask, rows)
+        if self._repeats:
+            src = [k for k, _ in self._repeats]
+            dst = torch.tensor([r for _, r in self._repeats], dtype=torch.long, device=logits.device)
+            apply_token_bitmask(logits, self._bitmask[src], dst)
         self._metrics.mask_s.append(fill_s + time.perf_counter() - t0)
-        self._metrics.mask_rows.append(len(self.rows))
+        self._metrics.mask_rows.append(len(self.rows) + len(self._repeats))
 
 
 class Constraints:
@@ -61,6 +77,8 @@ class Constraints:
         self.compiler = ConstraintCompiler(self.backend, timeout_s=timeout_s, threads=threads,
                                            on_compile=lambda seconds: metrics.compile_s.append(seconds))
         self.waiting: dict[Request, CompileEntry] = {}  # in arrival order
+        # Requests that hold a matcher (until they end): a step without any needs no mask pass.
+        self.active: set[Request] = set()
         self._metrics = metrics
         self._vocab_size = vocab_size
         self._max_rows = max_rows
@@ -77,6 +95,7 @@ class Constraints:
 
     def forget(self, req: Request) -> None:
         self.waiting.pop(req, None)
+        self.active.discard(req)
 
     def poll(self) -> tuple[list[Request], list[tuple[Request, str]]]:
         """Requests whose compile ended: (ready, each with its matcher; failed, with the reason)."""
@@ -92,6 +111,7 @@ class Constraints:
                 failed.append((req, outcome.error))
             else:
                 req.matcher = self.backend.new_matcher(outcome.grammar)
+                self.active.add(req)
                 ready.append(req)
         return ready, failed
 
@@ -103,12 +123,14 @@ class Constraints:
     def start_step(self, out: SchedulerOutput) -> StepMask | None:
         """Start filling the bitmask of the constrained rows that sample in `out` (None if none).
         A row samples when its tokens catch up with the request (the model runner's rule)."""
+        if not self.active:
+            return None
         matchers: list[tuple[object, int]] = []
         rows: list[int] = []
         row = 0
         for req, n in zip(out.requests, out.num_new_tokens, strict=True):
-            if req.num_computed_tokens + n != req.num_tokens:
-                continue
+            if req.num_computed_tokens + n != req.num_tokens or req.sampling.max_tokens == 0:
+                continue  # no sampling row: a prefill chunk, or a score-only request
             if req.matcher is not None:
                 matchers.append((req.matcher, len(rows)))
                 rows.append(row)
@@ -143,6 +165,11 @@ class Constraints:
         the mask forbids it: this is a bug, and fails the request alone)."""
         if not self.backend.accept(req.matcher, token_id):
             raise RuntimeError(f"token {token_id} is not allowed by the constraint: {self.backend.error(req.matcher)}")
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """A forked choice of an n > 1 request starts from its parent's matcher state."""
+        child.matcher = self.backend.copy_matcher(parent.matcher)
+        self.active.add(child)
 
     def finished(self, req: Request) -> bool:
         return self.backend.is_finished(req.matcher)

@@ -74,6 +74,9 @@ class LLGuidanceBackend:
     def new_matcher(self, grammar: Any):
         return grammar.deep_copy()
 
+    def copy_matcher(self, matcher: Any):
+        return matcher.deep_copy()
+
     def fill_bitmask(self, matchers: Sequence[tuple[Any, int]], bitmask: torch.Tensor) -> None:
         if self._executor is None:
             from llguidance import LLExecutor

@@ -1,0 +1,122 @@
+"""Helpers of the lm-evaluation-harness tests: the shipped tasks' requests, lm-eval's HFLM on a
+checkpoint (the reference), and TokenmillLM on a LocalJobRunner."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+TASKS = ("tokenmill_mc", "tokenmill_ppl", "tokenmill_gen")
+
+
+def task_manager() -> Any:
+    from lm_eval.tasks import TaskManager
+
+    from worker.eval import TASKS_DIR
+
+    return TaskManager(include_path=str(TASKS_DIR), include_defaults=False)  # lm-eval's own tasks: not needed
+
+
+def task_requests(name: str, limit: int | None = None) -> list[Any]:
+    """Every lm-eval request (Instance) of task ``name``, zero-shot, in the task's order."""
+    task = task_manager().load([name])["tasks"][name]
+    task.build_all_requests(limit=limit, rank=0, world_size=1)
+    return list(task.instances)
+
+
+def hf_lm(model_dir: str | Path, max_length: int | None = None) -> Any:
+    """lm-eval's own Hugging Face model (``--model hf``), float32 on the CPU."""
+    from lm_eval.models.huggingface import HFLM
+
+    return HFLM(pretrained=str(model_dir), dtype="float32", device="cpu", batch_size=8, max_length=max_length)
+
+
+def tokenmill_lm(model_dir: str | Path, **engine: Any) -> tuple[Any, Any]:
+    """(TokenmillLM, its LocalJobRunner) on a float32 CPU engine with the given settings (a KV
+    cache of 0.5 GiB unless given: SmolLM2's full window, and quicker to set up than the default)."""
+    from worker.engine.config import EngineConfig
+    from worker.eval.lm import TokenmillLM
+    from worker.eval.local_runner import LocalJobRunner
+
+    engine.setdefault("kv_cache_gb", 0.5)
+    config = EngineConfig(model=str(model_dir), dtype="float32", device="cpu", **engine)
+    runner = LocalJobRunner(model_dir, config)
+    lm = TokenmillLM(runner.tokenizer, runner, model_name=runner.model_name, max_length=runner.max_length)
+    return lm, runner
+
+
+def kv_gb(model_dir: str | Path, num_blocks: int, block_size: int = 16) -> float:
+    """The kv_cache_gb that gives the engine ``num_blocks`` KV blocks of this model."""
+    from worker.engine.model_config import load_model_config
+    from worker.engine.model_runner import ModelRunner
+
+    mc = load_model_config(model_dir, "float32")
+    bytes_per_block = ModelRunner.kv_bytes_per_block(mc.num_layers, mc.num_kv_heads, mc.head_dim, mc.dtype,
+                                                     block_size)
+    return num_blocks * bytes_per_block / 1024**3
+
+
+REQUEST_KINDS = ("loglikelihood", "loglikelihood_rolling", "generate_until")
+
+
+def record_answers(lm: Any) -> dict[tuple[str, Any], Any]:
+    """Wrap ``lm``'s three request methods (on the instance) so that every answer is recorded by
+    (kind, the request's args); returns the record, filled as lm-eval calls them."""
+    record: dict[tuple[str, Any], Any] = {}
+
+    def wrap(kind: str) -> None:
+        method = getattr(lm, kind)
+
+        def recorded(requests: list[Any], disable_tqdm: bool = False) -> list[Any]:
+            answers = method(requests, disable_tqdm=disable_tqdm)
+            for request, answer in zip(requests, answers, strict=True):
+                record[(kind, _key(request.args))] = answer
+            return answers
+
+        setattr(lm, kind, recorded)
+
+    for kind in REQUEST_KINDS:
+        wrap(kind)
+    return record
+
+
+def _key(args: tuple) -> tuple:
+    # generate_until's args hold a dict of gen_kwargs: keyed by its sorted items (as text).
+    return tuple(repr(sorted(a.items())) if isinstance(a, dict) else a for a in args)
+
+
+def evaluate(lm: Any, tasks: tuple[str, ...] = TASKS, limit: int | None = None) -> dict[str, Any]:
+    """lm-eval's simple_evaluate on the shipped tasks, zero-shot, without bootstrap."""
+    from lm_eval import simple_evaluate
+
+    return simple_evaluate(model=lm, tasks=list(tasks), task_manager=task_manager(), limit=limit,
+                           bootstrap_iters=0, log_samples=False)
+
+
+def force_preemptions(engine: Any, every: int = 3, times: int = 8) -> dict[str, int]:
+    """Preempt every running request (by recompute) after every ``every``-th step, ``times``
+    times: scoring requests are then sent back half scored and recomputed. A request that scores
+    only (max_tokens 0) never outgrows its admission, so a small KV pool alone does not preempt
+    it; this is how the engine's fault isolation preempts. Returns counters, updated as it goes:
+    preemption rounds and requests preempted part-way through their scored positions."""
+    counts = {"steps": 0, "rounds": 0, "mid_scoring": 0}
+    step = engine.step
+
+    def stepping() -> list[Any]:
+        out = step()
+        counts["steps"] += 1
+        running = engine.scheduler.running
+        if running and counts["rounds"] < times and counts["steps"] % every == 0:
+            counts["mid_scoring"] += sum(
+                1 for r in running if r.sampling.score_from < r.next_score_pos < r.num_prompt_tokens
+            )
+            engine.scheduler.preempt_all()
+            counts["rounds"] += 1
+        return out
+
+    engine.step = stepping
+    return counts
