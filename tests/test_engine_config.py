@@ -17,7 +17,7 @@ from worker.engine.config import EngineConfig
 ENGINE_COMMANDS = {
     "run-batch": set(),
     "worker": set(),
-    "bench": {"model"},  # --model names a bundled model or a directory
+    "bench": {"model", "cpu_threads"},  # --model names a bundled model or a directory; --threads sets both sides
     "backfill": {"model", "seed"},  # --model is also the served name; --seed the jobs' sampling seed
 }
 

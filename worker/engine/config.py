@@ -50,6 +50,12 @@ class EngineConfig:
     async_scheduling: str = setting("auto", choices=("auto", "on", "off"),
                                     help="prepare step N+1 while step N runs on the GPU (auto: on for CUDA)")
 
+    cpu_threads: int | None = setting(
+        None, minimum=1,
+        help="torch threads of the CPU engine (default: torch's own, i.e. OMP_NUM_THREADS or the CPUs this "
+             "process may use, capped at its cgroup CPU quota)",
+    )
+
     structured_compile_timeout_s: float = setting(
         5.0, above=0, finite=True,
         help="a structured_outputs constraint not compiled within this many seconds fails its job (invalid_constraint)",

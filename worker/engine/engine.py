@@ -38,6 +38,7 @@ from pathlib import Path
 
 from worker.engine.block_manager import BlockManager
 from worker.engine.config import EngineConfig
+from worker.engine.cpu_threads import apply_cpu_threads
 from worker.engine.fault_isolation import FaultIsolation, StepFault, blame, describe
 from worker.engine.host_memory import keep_freed_memory
 from worker.engine.metrics import EngineMetrics
@@ -75,8 +76,11 @@ class Engine:
 
         self.config = config
         self.device = resolve_device(config.device)
+        self.cpu_threads: int | None = None
         if self.device.type == "cpu":
             keep_freed_memory()  # steps stop re-faulting their activations' pages (see host_memory)
+            self.cpu_threads, why = apply_cpu_threads(config.cpu_threads)
+            log.info("CPU engine computes with %d thread(s): %s", self.cpu_threads, why)
         backend = get_attention_backend(config.attention_backend, self.device)
         self.model, self.model_config = load_model(
             config.model, dtype=config.dtype, device=self.device, attention_backend=backend

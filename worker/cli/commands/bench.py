@@ -39,7 +39,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "score: a multiple of 4, one question per 4); small for quick runs")
     p.add_argument("--workload-seed", type=int, default=0)
     p.add_argument("--threads", type=positive_int, default=1,
-                   help="torch intra-op threads for both sides (default 1: shared small CPUs stall otherwise)")
+                   help="torch intra-op threads for both sides, the engine's --cpu-threads included "
+                   "(default 1: shared small CPUs stall otherwise)")
     p.add_argument("--repeats", type=positive_int, default=3,
                    help="structured: run the (constrained, unconstrained) pair of passes this many times, "
                    "alternating, and pool their step times (default 3)")
@@ -47,7 +48,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="score: prompt length of the memory figure (default 4096; 0 skips it)")
     p.add_argument("--full-sweep", action="store_true",
                    help="run every static batch size over the whole workload (default: calibrate on 64 requests)")
-    add_engine_options(p, model_required=False)
+    add_engine_options(p, model_required=False, exclude=("cpu_threads",))  # --threads sets it
     p.set_defaults(func=run)
 
 
@@ -58,8 +59,9 @@ def run(args: argparse.Namespace) -> int:
     from worker.cli.engine_options import engine_kwargs
 
     torch.set_num_threads(args.threads)
-    options = engine_kwargs(args)
+    options = engine_kwargs(args, exclude=("model", "cpu_threads"))
     options.pop("served_model_name")
+    options["cpu_threads"] = args.threads
     if args.workload == "kafka":
         from tools.bench_kafka import format_kafka_table, run_kafka_bench
 
