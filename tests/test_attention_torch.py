@@ -217,3 +217,37 @@ def test_factory():
     assert isinstance(get_attention_backend("auto", "cpu"), TorchAttentionBackend)
     with pytest.raises(ValueError, match="unknown attention backend"):
         get_attention_backend("flash", "cpu")
+
+
+def _libgomp_files() -> set[str]:
+    with open("/proc/self/maps") as f:
+        return {line.split()[-1] for line in f if "libgomp" in line}
+
+
+@pytest.mark.skipif(not cpu_decode_kernel.available(), reason="no C compiler")
+def test_the_kernel_runs_on_torchs_openmp_runtime_not_a_second_one():
+    lib = cpu_decode_kernel.load()
+    assert lib is not None
+    assert _imports(lib._name, "GOMP_parallel")  # built with OpenMP
+    # One libgomp in the process (torch's): the kernel's threads are the ones torch's GEMMs use.
+    assert len(_libgomp_files()) == 1, _libgomp_files()
+
+
+def _imports(path: str, symbol: str) -> bool:
+    import subprocess
+
+    out = subprocess.run(["nm", "-D", "--undefined-only", path], capture_output=True, text=True, check=True)
+    return any(line.split()[-1].startswith(symbol) for line in out.stdout.splitlines())
+
+
+@pytest.mark.skipif(not cpu_decode_kernel.available(), reason="no C compiler")
+def test_without_openmp_the_pthread_build_is_used(tmp_path, monkeypatch):
+    import subprocess
+
+    monkeypatch.setattr(cpu_decode_kernel, "_OPENMP_FLAGS", ["-fno-such-flag-for-this-test"])
+    monkeypatch.setenv("TOKENMILL_CACHE", str(tmp_path))
+    lib = cpu_decode_kernel._build()
+    assert lib is not None and str(tmp_path) in lib._name
+    out = subprocess.run(["nm", "-D", "--undefined-only", lib._name], capture_output=True, text=True, check=True)
+    names = {line.split()[-1].split("@")[0] for line in out.stdout.splitlines()}
+    assert "pthread_create" in names and "GOMP_parallel" not in names
