@@ -54,6 +54,12 @@ class Workload:
         return Workload(self.name, self.prompts[:n], self.max_tokens[:n])
 
 
+def warm_up_workload() -> Workload:
+    """Two short requests whose tokens share nothing with any workload: each side's warm-up
+    (allocator, kernels, plans) before its timed run. New lists each call: engines may keep them."""
+    return Workload("warm", [[1] * 40, [2] * 20], [4, 4])
+
+
 def _token_range(vocab_size: int, special: set[int]) -> list[int]:
     # Ordinary token ids only, so no request stops or changes meaning on a special token.
     lo = max(special) + 1 if special and max(special) < 1000 else 0
@@ -137,8 +143,7 @@ def run_engine(model_dir: Path, work: Workload, engine_options: dict[str, Any]) 
 
     engine = Engine(EngineConfig(model=str(model_dir), **engine_options))
     # Warm-up (allocator, kernels, plans): two short requests whose tokens share nothing with the work.
-    warm = Workload("warm", [[1] * 40, [2] * 20], [4, 4])
-    engine.generate(_engine_requests(warm, "warm"))
+    engine.generate(_engine_requests(warm_up_workload(), "warm"))
     engine.metrics = EngineMetrics()
     cached_before = engine.stats().cached_prompt_tokens_total
     steps_before = engine.stats().steps
@@ -232,7 +237,7 @@ def run_hf_baseline(model_dir: Path, work: Workload, dtype: str, full_sweep: boo
         pad_id = 0
     elif isinstance(pad_id, list):
         pad_id = pad_id[0]
-    hf_static_batches(model, Workload("warm", [[1] * 40, [2] * 20], [4, 4]), 2, pad_id)  # warm-up
+    hf_static_batches(model, warm_up_workload(), 2, pad_id)  # warm-up
     sample = work if full_sweep else work.head(calibration_requests)
     calibration: dict[int, float] = {}
     times: dict[int, tuple[float, float]] = {}

@@ -42,7 +42,7 @@ def _jobs(work) -> list[bytes]:
 async def _through_kafka(bootstrap: str, model_dir: Path, work, engine_options: dict[str, Any]) -> dict[str, Any]:
     from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
-    from tools.bench import Workload, _engine_requests
+    from tools.bench import _engine_requests, warm_up_workload
     from worker.config import WorkerSettings
     from worker.engine import Engine, EngineConfig
     from worker.kafka.admin import create_topic
@@ -54,8 +54,7 @@ async def _through_kafka(bootstrap: str, model_dir: Path, work, engine_options: 
         await create_topic(bootstrap, name, 1)
 
     engine = Engine(EngineConfig(model=str(model_dir), **engine_options))
-    warm = Workload("warm", [[1] * 40, [2] * 20], [4, 4])  # the same warm-up as the engine-alone run
-    engine.generate(_engine_requests(warm, "warm"))
+    engine.generate(_engine_requests(warm_up_workload(), "warm"))  # the same warm-up as the engine-alone run
 
     producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", enable_idempotence=True, linger_ms=5,
                                 max_request_size=8 << 20)

@@ -122,7 +122,7 @@ def profile_once(model: str, threads: int, num_requests: int, seed: int = 0) -> 
     import torch
 
     torch.set_num_threads(threads)
-    from tools.bench import _engine_requests, mixed_workload, resolve_model
+    from tools.bench import _engine_requests, mixed_workload, resolve_model, warm_up_workload
     from worker.engine import Engine, EngineConfig
     from worker.engine.model_config import load_model_config
 
@@ -132,8 +132,7 @@ def profile_once(model: str, threads: int, num_requests: int, seed: int = 0) -> 
     # Prefix caching off: the untimed run repeats the timed run's prompts and must not find them
     # cached (the bench's random prompts share no block, so its runs lose nothing by this).
     engine = Engine(EngineConfig(model=str(model_dir), enable_prefix_caching=False, cpu_threads=threads))
-    warm = type(work)("warm", [[1] * 40, [2] * 20], [4, 4])
-    engine.generate(_engine_requests(warm, "warm"))
+    engine.generate(_engine_requests(warm_up_workload(), "warm"))
 
     timer = PartTimer()
     steps_before = engine.stats().steps
