@@ -137,10 +137,25 @@ def test_output_rows_skip_the_last_layer_for_other_tokens_only(models, use_cpu_k
         ours.attention_backend = TorchAttentionBackend()
 
 
-def test_lm_head_gives_the_bits_of_f_linear_for_any_row_count(models):
-    """The CPU LM head multiplies by a transposed copy of the weight from 4 rows up; greedy outputs
-    stay identical to the reference only if that changes no bit of any logit."""
+def test_lm_head_gives_each_row_the_same_bits_at_any_row_count(models):
+    """On oneDNN's packed weight a row's logits do not depend on what it is batched with (MKL's
+    F.linear changes its summation order with the row count), and stay within rounding of F.linear."""
     ours, cfg, _ = models
+    assert ours.layers[0].qkv_packed is not None  # this machine's torch has oneDNN: the packed path runs
+    hidden = torch.randn(64, cfg.hidden_size, generator=torch.Generator().manual_seed(7))
+    full = ours.compute_logits(hidden)
+    for rows in (1, 3, 4, 5, 15, 16, 17, 64):
+        assert torch.equal(ours.compute_logits(hidden[:rows]), full[:rows]), rows
+        assert torch.equal(ours.compute_logits(hidden[:rows], out=torch.empty(rows, cfg.vocab_size)), full[:rows]), rows
+    torch.testing.assert_close(full, torch.nn.functional.linear(hidden, ours.lm_head), atol=1e-5, rtol=1e-5)
+
+
+def test_lm_head_without_onednn_gives_the_bits_of_f_linear(tiny_model_dir, monkeypatch):
+    """Without oneDNN the LM head multiplies by a transposed copy of the weight from 4 rows up; that
+    copy must change no bit of any logit against F.linear."""
+    monkeypatch.setenv("TOKENMILL_ONEDNN_LINEAR", "0")
+    ours, cfg = load_model(tiny_model_dir, attention_backend=TorchAttentionBackend())
+    assert ours.layers[0].qkv_packed is None and ours.layers[0].qkv_weight.numel() > 0
     for rows in (1, 3, 4, 5, 15, 16, 17, 64):
         hidden = torch.randn(rows, cfg.hidden_size, generator=torch.Generator().manual_seed(rows))
         want = torch.nn.functional.linear(hidden, ours.lm_head)

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker.engine import cpu_gemm
 from worker.engine.attention import AttentionBackend, AttentionMetadata, OutputRows
 from worker.engine.layers import RotaryEmbedding, rms_norm
 from worker.engine.model_config import CheckpointError, ModelConfig
@@ -47,6 +48,22 @@ class DecoderLayer(nn.Module):
         self.post_attention_norm = _param(h, dtype=dt, device=device)
         self.gate_up_weight = _param(2 * cfg.intermediate_size, h, dtype=dt, device=device)
         self.down_weight = _param(h, cfg.intermediate_size, dtype=dt, device=device)
+        # oneDNN's packed copies of the four projection weights (see pack_cpu_weights); None: F.linear.
+        self.qkv_packed = self.o_packed = self.gate_up_packed = self.down_packed = None
+
+    _PROJECTIONS = ("qkv", "o", "gate_up", "down")
+
+    def pack_cpu_weights(self) -> bool:
+        """Move the projections onto oneDNN packed weights and free the dense ones; False if not applicable."""
+        packed = {name: cpu_gemm.pack(getattr(self, f"{name}_weight")) for name in self._PROJECTIONS}
+        if any(p is None for p in packed.values()):
+            return False
+        for name, weight in packed.items():
+            setattr(self, f"{name}_packed", weight)
+            # The packed copy is the only one read from now on: keeping both would double the
+            # model's memory. The parameter stays (empty) so the module's structure is unchanged.
+            getattr(self, f"{name}_weight").data = torch.empty(0, dtype=weight.dtype)
+        return True
 
     def forward(
         self,
@@ -67,12 +84,13 @@ class DecoderLayer(nn.Module):
                 return x, x
             residual = residual.index_select(0, output_rows.index)
         x, residual = ops.add_rms_norm(x, residual, self.post_attention_norm, self.eps)
-        x = F.linear(ops.silu_and_mul(F.linear(x, self.gate_up_weight)), self.down_weight)
+        gate_up = cpu_gemm.linear(x, self.gate_up_weight, None, self.gate_up_packed)
+        x = cpu_gemm.linear(ops.silu_and_mul(gate_up), self.down_weight, None, self.down_packed)
         return x, residual
 
     def _attention(self, x, rope, meta, kv_cache, backend, ops, output_rows=None) -> torch.Tensor:
         t = x.shape[0]
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        qkv = cpu_gemm.linear(x, self.qkv_weight, self.qkv_bias, self.qkv_packed)
         qk = qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
         if self.qk_norm is not None:
             qk = rms_norm(qk, self.qk_norm, self.eps)
@@ -87,7 +105,7 @@ class DecoderLayer(nn.Module):
             if t == 0:
                 return x.new_empty(0, x.shape[1])
         out = backend.attend(q, key_cache, value_cache, meta, self.scale)
-        return F.linear(out.reshape(t, self.q_size), self.o_weight, self.o_bias)
+        return cpu_gemm.linear(out.reshape(t, self.q_size), self.o_weight, self.o_bias, self.o_packed)
 
 
 class DecoderForCausalLM(nn.Module):
@@ -137,6 +155,14 @@ class DecoderForCausalLM(nn.Module):
             return hidden
         return self.ops.add_rms_norm(hidden, residual, self.norm, self.config.rms_norm_eps)[0]
 
+    def pack_cpu_weights(self) -> bool:
+        """On a float32 CPU model, run every projection and the LM head on oneDNN packed weights
+        (worker/engine/cpu_gemm.py); the layers' dense weights are freed. False where it does not apply."""
+        if not all(layer.pack_cpu_weights() for layer in self.layers):
+            return False
+        self._lm_head_packed()
+        return True
+
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """float32 [N, vocab_size] logits; pass only the rows that sample (the LM head dominates cost).
@@ -145,14 +171,16 @@ class DecoderForCausalLM(nn.Module):
         result may still be a new tensor, so always use the return value).
         """
         if hidden.device.type == "cpu" and self.lm_head.dtype == torch.float32:
+            packed = self._lm_head_packed()
+            if packed is not None:
+                return cpu_gemm.linear(hidden, self.lm_head, None, packed)
             self._lm_head_transposed()  # built on the first call (e.g. a warm-up), not in a big step
         if self._use_transposed_lm_head(hidden):
-            # On the CPU the LM head is about half of a decode step's FLOPs. A [hidden, vocab] copy of
-            # the weight lets the GEMM stream it without a transpose, and writing into a reused buffer
-            # avoids a fresh >32 MiB tensor (a new mmap with ~16 ms of page faults here) every step:
-            # ~10% faster GEMM plus the faults. From 4 rows up this gives the same bits as F.linear
-            # (checked; below that BLAS takes a GEMV path whose summation order differs), so greedy
-            # outputs stay identical to the reference.
+            # Without oneDNN: on the CPU the LM head is about half of a decode step's FLOPs. A
+            # [hidden, vocab] copy of the weight lets the GEMM stream it without a transpose, and
+            # writing into a reused buffer avoids a fresh >32 MiB tensor every step: ~10% faster GEMM
+            # plus the faults. From 4 rows up this gives the same bits as F.linear (below that BLAS
+            # takes a GEMV path whose summation order differs).
             weight_t = self._lm_head_transposed()
             if out is not None and out.shape == (hidden.shape[0], weight_t.shape[1]) and out.dtype == hidden.dtype \
                     and out.is_contiguous():
@@ -170,14 +198,25 @@ class DecoderForCausalLM(nn.Module):
             and hidden.dim() == 2 and hidden.shape[0] >= self._TRANSPOSED_LM_HEAD_MIN_ROWS
         )
 
-    def _lm_head_transposed(self) -> torch.Tensor:
-        """A contiguous [hidden, vocab] copy of lm_head, rebuilt if the weight was changed (reload)."""
+    def _lm_head_copy(self, attr: str, build) -> torch.Tensor | None:
+        """A copy of lm_head derived by `build`, cached and rebuilt if the weight was changed (reload)."""
         key = (self.lm_head.data_ptr(), self.lm_head._version)
-        cached = getattr(self, "_lm_head_t", None)
+        cached = getattr(self, attr, None)
         if cached is None or cached[0] != key:
-            cached = (key, self.lm_head.detach().t().contiguous())
-            self._lm_head_t = cached
+            cached = (key, build(self.lm_head.detach()))
+            setattr(self, attr, cached)
         return cached[1]
+
+    def _lm_head_packed(self) -> torch.Tensor | None:
+        """oneDNN's packed lm_head (None without oneDNN); only models that packed their layers use it,
+        so one model never mixes the two GEMMs."""
+        if self.layers and self.layers[0].qkv_packed is None:
+            return None
+        return self._lm_head_copy("_lm_head_oned", cpu_gemm.pack)
+
+    def _lm_head_transposed(self) -> torch.Tensor:
+        """A contiguous [hidden, vocab] copy of lm_head."""
+        return self._lm_head_copy("_lm_head_t", lambda w: w.t().contiguous())
 
     # -- loading ---------------------------------------------------------------------------------
     def checkpoint_tensor_names(self) -> list[str]:
@@ -247,6 +286,8 @@ class DecoderForCausalLM(nn.Module):
 
         Raises CheckpointError for a tensor we have no place for or whose shape does not fit.
         """
+        if self.layers and self.layers[0].qkv_packed is not None:
+            raise RuntimeError("this model's weights are packed for the CPU (pack_cpu_weights): load into a new model")
         loaded: set[str] = set()
         for name, tensor in tensors:
             try:

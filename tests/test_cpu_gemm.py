@@ -1,0 +1,80 @@
+"""The CPU linear layers on oneDNN packed weights: close to F.linear, and a row's bits independent of
+the row count and the thread count (F.linear's are not); the model frees its dense copies."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from worker.engine import cpu_gemm
+from worker.engine.attention.torch_backend import TorchAttentionBackend
+from worker.engine.loader import load_model
+
+
+def _weights(out_features=96, in_features=80, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(out_features, in_features, generator=g) * 0.1, torch.randn(out_features, generator=g)
+
+
+def test_packed_linear_is_f_linear_within_rounding_with_and_without_bias():
+    weight, bias = _weights()
+    packed = cpu_gemm.pack(weight)
+    x = torch.randn(37, 80, generator=torch.Generator().manual_seed(1))
+    for b in (None, bias):
+        got = cpu_gemm.linear(x, weight, b, packed)
+        assert got.shape == (37, 96) and got.dtype == torch.float32
+        torch.testing.assert_close(got, F.linear(x, weight, b), atol=1e-5, rtol=1e-5)
+    assert cpu_gemm.linear(x[:0], weight, bias, packed).shape == (0, 96)
+    wide = torch.randn(37, 160)
+    torch.testing.assert_close(cpu_gemm.linear(wide[:, ::2], weight, None, packed), F.linear(wide[:, ::2], weight))
+
+
+def test_a_row_gets_the_same_bits_at_any_row_count():
+    weight, bias = _weights(640, 96)
+    packed = cpu_gemm.pack(weight)
+    x = torch.randn(300, 96, generator=torch.Generator().manual_seed(2))
+    full = cpu_gemm.linear(x, weight, bias, packed)
+    for rows in (1, 2, 3, 7, 16, 33, 100, 257):
+        assert torch.equal(cpu_gemm.linear(x[:rows], weight, bias, packed), full[:rows]), rows
+        assert torch.equal(cpu_gemm.linear(x[rows:rows + 5], weight, bias, packed), full[rows:rows + 5]), rows
+
+
+def test_a_row_gets_the_same_bits_at_any_thread_count():
+    weight, bias = _weights(1024, 128)
+    packed = cpu_gemm.pack(weight)
+    x = torch.randn(64, 128, generator=torch.Generator().manual_seed(3))
+    before = torch.get_num_threads()
+    try:
+        results = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            results.append(cpu_gemm.linear(x, weight, bias, packed))
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(r, results[0]) for r in results[1:])
+
+
+def test_only_float32_cpu_weights_are_packed(monkeypatch):
+    weight, _ = _weights()
+    assert cpu_gemm.pack(weight.to(torch.bfloat16)) is None
+    assert cpu_gemm.pack(weight[0]) is None  # not a matrix
+    monkeypatch.setenv(cpu_gemm.DISABLE_ENV, "0")
+    assert not cpu_gemm.available() and cpu_gemm.pack(weight) is None
+    x = torch.randn(3, 80)
+    assert torch.equal(cpu_gemm.linear(x, weight, None, None), F.linear(x, weight))
+
+
+def test_a_loaded_model_runs_on_packed_weights_and_frees_the_dense_ones(tiny_model_dir):
+    model, _ = load_model(tiny_model_dir, attention_backend=TorchAttentionBackend())
+    for layer in model.layers:
+        for name in ("qkv", "o", "gate_up", "down"):
+            assert getattr(layer, f"{name}_packed") is not None
+            assert getattr(layer, f"{name}_weight").numel() == 0  # one copy of the weights, not two
+    assert model.lm_head.numel() > 0  # still the embedding's (tied) or the checkpoint's dense weight
+    with pytest.raises(RuntimeError, match="packed"):
+        model.load_weights([("model.norm.weight", torch.ones(model.config.hidden_size))])
+
+
+def test_switched_off_the_model_keeps_f_linear(tiny_model_dir, monkeypatch):
+    monkeypatch.setenv(cpu_gemm.DISABLE_ENV, "0")
+    model, _ = load_model(tiny_model_dir, attention_backend=TorchAttentionBackend())
+    assert all(layer.qkv_packed is None and layer.qkv_weight.numel() > 0 for layer in model.layers)

@@ -1,0 +1,90 @@
+"""fp32 linear layers on the CPU through oneDNN, with each weight packed once at load.
+
+Why: the projections and the LM head are most of a CPU step, and at decode sizes (tens of rows)
+torch's default GEMM (MKL through F.linear) neither runs fast nor splits over threads: SmolLM2's
+[33 x 576] x [576 x 1536] takes 0.49 ms on 2 threads against 0.88 on one, and the LM head
+[33 x 576] x [576 x 49152] 29 ms against 38. oneDNN's matmul with the weight reordered once into
+its blocked layout takes 0.32 and 12.6 ms there (0.62 and 20.6 on one thread). vLLM's CPU backend
+takes the same road.
+
+The results are not MKL's bits, but no reference run gives MKL's bits either: MKL itself changes
+its summation order with the row count (one row takes a GEMV path; at 2 threads 7 rows differ from
+the same rows inside a larger batch), so a row's logits already depended on what it was batched
+with. oneDNN's packed matmul does not: a row gives the same bits at any row count and any thread
+count (tests/test_cpu_gemm.py checks both), and stays within float32 rounding of F.linear.
+
+Off with TOKENMILL_ONEDNN_LINEAR=0 (then F.linear, as before), or where torch has no oneDNN.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+DISABLE_ENV = "TOKENMILL_ONEDNN_LINEAR"  # "0" keeps F.linear
+
+# The row count oneDNN picks the packed layout for. It is a layout choice, not a limit: any row
+# count runs on it and gives the same bits (the hint only changes speed). 256 was as fast as the
+# best hint from 1 to 2,048 rows on the shapes measured; a hint of 1 picks a GEMV layout whose
+# one-row results differ from the others.
+_PACK_ROWS_HINT = 256
+
+_lock = threading.Lock()
+_available: bool | None = None
+
+
+def _switched_off() -> bool:
+    return os.environ.get(DISABLE_ENV, "1").strip().lower() in ("0", "false", "no", "off")
+
+
+def _self_check() -> bool:
+    """Pack a small weight and compare one product with F.linear: an op that is missing, or wrong on
+    this CPU, turns the fast path off instead of serving wrong logits."""
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(48, 32, generator=gen)
+    bias = torch.randn(48, generator=gen)
+    x = torch.randn(5, 32, generator=gen)
+    with torch.inference_mode():
+        got = _matmul(x, torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_ROWS_HINT), bias)
+        want = F.linear(x, weight, bias)
+    return got.shape == want.shape and bool(torch.allclose(got, want, rtol=1e-5, atol=1e-5))
+
+
+def available() -> bool:
+    """True when linear layers on the CPU run on oneDNN packed weights (checked once per process)."""
+    global _available
+    if _switched_off():
+        return False
+    with _lock:
+        if _available is None:
+            try:
+                _available = bool(torch.backends.mkldnn.is_available()) and _self_check()
+            except (RuntimeError, AttributeError, NotImplementedError) as exc:
+                log.info("oneDNN linear unavailable (%s): CPU linear layers use F.linear", exc)
+                _available = False
+        return _available
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor | None:
+    """oneDNN's packed copy of a float32 CPU weight [out, in], or None where the fast path does not apply."""
+    if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2 or not available():
+        return None
+    with torch.inference_mode():
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), _PACK_ROWS_HINT)
+
+
+def _matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight.T + bias: on the packed weight when there is one, else F.linear."""
+    if packed is None:
+        return F.linear(x, weight, bias)
+    return _matmul(x, packed, bias)
