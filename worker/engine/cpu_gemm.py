@@ -13,6 +13,13 @@ the same rows inside a larger batch), so a row's logits already depended on what
 with. oneDNN's packed matmul does not: a row gives the same bits at any row count and any thread
 count (tests/test_cpu_gemm.py checks both), and stays within float32 rounding of F.linear.
 
+oneDNN builds (JIT-compiles) and keeps code for every input shape it meets, about 0.3-0.7 MB each,
+whatever the weight, and a worker meets every row count from 1 to the step's token budget: in a soak
+of 20,000 jobs the process grew by 40%. So a GEMM runs at one of 32 row counts (_padded_rows): up to
+256 rows it is padded to the next of them (the padding rows, computed and dropped, are at most 3
+rows or an eighth), more rows go in pieces of 256. About 32 x the model's 5 weight shapes x 0.65 MB
+(~100 MB) at most, reached in the first minutes of a worker, and then no growth.
+
 Off with TOKENMILL_ONEDNN_LINEAR=0 (then F.linear, as before), or where torch has no oneDNN.
 """
 
@@ -83,8 +90,34 @@ def _matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) ->
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+# Rows per GEMM call: more are computed in pieces of this many (see _padded_rows).
+_MAX_ROWS = 256
+
+
+def _padded_rows(rows: int) -> int:
+    """The row count a GEMM of 1 <= `rows` <= _MAX_ROWS rows runs at: a multiple of 4 up to 64, then
+    eight sizes per doubling; 32 sizes in all, so at most 3 rows or 12.5% are padding."""
+    step = max(4, 1 << max(0, (rows - 1).bit_length() - 4))
+    return -(-rows // step) * step
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None) -> torch.Tensor:
     """x @ weight.T + bias: on the packed weight when there is one, else F.linear."""
     if packed is None:
         return F.linear(x, weight, bias)
-    return _matmul(x, packed, bias)
+    rows = x.shape[0]
+    if rows > _MAX_ROWS:  # a prefill step: pieces of _MAX_ROWS rows are as fast per row
+        pieces = [_padded_matmul(x[i : i + _MAX_ROWS], packed, bias) for i in range(0, rows, _MAX_ROWS)]
+        return torch.cat(pieces)
+    return _padded_matmul(x, packed, bias)
+
+
+def _padded_matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    rows = x.shape[0]
+    padded = _padded_rows(rows) if rows else 0
+    if padded == rows:
+        return _matmul(x, packed, bias)
+    # Each row is computed on its own (a row's bits do not depend on the others), so zero rows
+    # appended and dropped change nothing of the real ones.
+    grown = torch.cat((x, x.new_zeros(padded - rows, x.shape[1])))
+    return _matmul(grown, packed, bias)[:rows]
