@@ -1,7 +1,6 @@
-"""The CPU linear layers on oneDNN packed weights: close to F.linear, and a row's bits independent of
-the row count and the thread count (F.linear's are not); the model frees its dense copies."""
+"""The CPU LM head on oneDNN's packed weight: close to F.linear, a row's bits independent of the row
+count and the thread count (F.linear's are not), and only a few GEMM shapes ever built."""
 
-import pytest
 import torch
 import torch.nn.functional as F
 
@@ -74,18 +73,20 @@ def test_only_float32_cpu_weights_are_packed(monkeypatch):
     assert torch.equal(cpu_gemm.linear(x, weight, None, None), F.linear(x, weight))
 
 
-def test_a_loaded_model_runs_on_packed_weights_and_frees_the_dense_ones(tiny_model_dir):
+def test_a_loaded_model_packs_its_lm_head_and_keeps_the_layers_on_f_linear(tiny_model_dir):
     model, _ = load_model(tiny_model_dir, attention_backend=TorchAttentionBackend())
-    for layer in model.layers:
-        for name in ("qkv", "o", "gate_up", "down"):
-            assert getattr(layer, f"{name}_packed") is not None
-            assert getattr(layer, f"{name}_weight").numel() == 0  # one copy of the weights, not two
-    assert model.lm_head.numel() > 0  # still the embedding's (tied) or the checkpoint's dense weight
-    with pytest.raises(RuntimeError, match="packed"):
-        model.load_weights([("model.norm.weight", torch.ones(model.config.hidden_size))])
+    cached = getattr(model, "_lm_head_oned", None)
+    assert cached is not None and cached[1] is not None  # packed at load, not in the first step
+    hidden = torch.randn(9, model.config.hidden_size)
+    torch.testing.assert_close(model.compute_logits(hidden), F.linear(hidden, model.lm_head), atol=1e-5, rtol=1e-5)
+    # A changed weight (a reload) is packed again, not served from the stale copy.
+    with torch.no_grad():
+        model.lm_head.mul_(2)
+    torch.testing.assert_close(model.compute_logits(hidden), F.linear(hidden, model.lm_head), atol=1e-5, rtol=1e-5)
 
 
-def test_switched_off_the_model_keeps_f_linear(tiny_model_dir, monkeypatch):
+def test_switched_off_the_lm_head_is_f_linear_bit_for_bit(tiny_model_dir, monkeypatch):
     monkeypatch.setenv(cpu_gemm.DISABLE_ENV, "0")
     model, _ = load_model(tiny_model_dir, attention_backend=TorchAttentionBackend())
-    assert all(layer.qkv_packed is None and layer.qkv_weight.numel() > 0 for layer in model.layers)
+    hidden = torch.randn(9, model.config.hidden_size)
+    assert torch.equal(model.compute_logits(hidden), F.linear(hidden, model.lm_head))

@@ -7,7 +7,7 @@ add up to the run's wall time. The parts:
 
 - scheduling       Scheduler.schedule
 - step inputs      ModelRunner.prepare (ids, positions, slots, block tables, rows to sample)
-- GEMM             the layers' projections (qkv, o, gate_up, down: oneDNN packed, else F.linear)
+- GEMM             the layers' F.linear calls (qkv, o, gate_up, down)
 - LM head          compute_logits
 - decode attention (the C kernel or the torch path), prefill attention, KV write, attention, other
   (the per-step plan, output copies)

@@ -1,26 +1,28 @@
-"""fp32 linear layers on the CPU through oneDNN, with each weight packed once at load.
+"""The LM head on the CPU (float32) through oneDNN, with the weight packed once at load.
 
-Why: the projections and the LM head are most of a CPU step, and at decode sizes (tens of rows)
-torch's default GEMM (MKL through F.linear) neither runs fast nor splits over threads: SmolLM2's
-[33 x 576] x [576 x 1536] takes 0.49 ms on 2 threads against 0.88 on one, and the LM head
-[33 x 576] x [576 x 49152] 29 ms against 38. oneDNN's matmul with the weight reordered once into
-its blocked layout takes 0.32 and 12.6 ms there (0.62 and 20.6 on one thread). vLLM's CPU backend
-takes the same road.
+Why: the LM head is the largest GEMM of a decode step, and at decode sizes (tens of rows) torch's
+default GEMM (MKL through F.linear) neither reaches the core's speed nor splits over threads:
+tiny-llama's [122 x 256] x [256 x 32000] takes 29.3 ms on one thread; oneDNN's matmul on the weight
+reordered once into its blocked layout takes 19.4 (SmolLM2's [33 x 576] x [576 x 49152]: 38 -> 20.6
+ms on one thread, 29 -> 12.6 on two). vLLM's CPU backend takes the same road for all its GEMMs.
 
-The results are not MKL's bits, but no reference run gives MKL's bits either: MKL itself changes
-its summation order with the row count (one row takes a GEMV path; at 2 threads 7 rows differ from
-the same rows inside a larger batch), so a row's logits already depended on what it was batched
-with. oneDNN's packed matmul does not: a row gives the same bits at any row count and any thread
-count (tests/test_cpu_gemm.py checks both), and stays within float32 rounding of F.linear.
+Why the layers' projections stay on F.linear: there oneDNN gained nothing once padded to a few
+shapes (below; the whole `mixed` run on one thread: 1,478 tok/s with them on oneDNN, 1,576 with the
+LM head alone), and MKL's GEMMs give the same bits as transformers' own F.linear over a prompt, so the
+hidden states stay the reference's. With every GEMM on oneDNN one of 256 `mixed` sequences left
+transformers' greedy path at a logit tie of 2e-7 (1.2332990 against 1.2332988); with the LM head
+alone, all 256 are identical.
 
-oneDNN builds (JIT-compiles) and keeps code for every input shape it meets, about 0.3-0.7 MB each,
-whatever the weight, and a worker meets every row count from 1 to the step's token budget: in a soak
-of 20,000 jobs the process grew by 40%. So a GEMM runs at one of 32 row counts (_padded_rows): up to
-256 rows it is padded to the next of them (the padding rows, computed and dropped, are at most 3
-rows or an eighth), more rows go in pieces of 256. About 32 x the model's 5 weight shapes x 0.65 MB
-(~100 MB) at most, reached in the first minutes of a worker, and then no growth.
+A row's logits are the same bits at any row count and any thread count (MKL's F.linear changes its
+summation order with the row count), and within float32 rounding of F.linear (tests/test_cpu_gemm.py).
 
-Off with TOKENMILL_ONEDNN_LINEAR=0 (then F.linear, as before), or where torch has no oneDNN.
+oneDNN builds (JIT-compiles) and keeps code for every input shape it meets, about 0.65 MB each and
+never freed, and the LM head meets every row count up to the batch size: in a soak of 20,000 jobs a
+worker grew by 40%. So a GEMM runs at one of 32 row counts (_padded_rows): up to 256 rows it is
+padded to the next of them (the padding rows, computed and dropped, are at most 3 rows or an
+eighth), more rows go in pieces of 256. About 21 MB at most, and then no growth.
+
+Off with TOKENMILL_ONEDNN_LINEAR=0 (then the LM head's MKL path), or where torch has no oneDNN.
 """
 
 from __future__ import annotations

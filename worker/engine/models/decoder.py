@@ -48,22 +48,6 @@ class DecoderLayer(nn.Module):
         self.post_attention_norm = _param(h, dtype=dt, device=device)
         self.gate_up_weight = _param(2 * cfg.intermediate_size, h, dtype=dt, device=device)
         self.down_weight = _param(h, cfg.intermediate_size, dtype=dt, device=device)
-        # oneDNN's packed copies of the four projection weights (see pack_cpu_weights); None: F.linear.
-        self.qkv_packed = self.o_packed = self.gate_up_packed = self.down_packed = None
-
-    _PROJECTIONS = ("qkv", "o", "gate_up", "down")
-
-    def pack_cpu_weights(self) -> bool:
-        """Move the projections onto oneDNN packed weights and free the dense ones; False if not applicable."""
-        packed = {name: cpu_gemm.pack(getattr(self, f"{name}_weight")) for name in self._PROJECTIONS}
-        if any(p is None for p in packed.values()):
-            return False
-        for name, weight in packed.items():
-            setattr(self, f"{name}_packed", weight)
-            # The packed copy is the only one read from now on: keeping both would double the
-            # model's memory. The parameter stays (empty) so the module's structure is unchanged.
-            getattr(self, f"{name}_weight").data = torch.empty(0, dtype=weight.dtype)
-        return True
 
     def forward(
         self,
@@ -84,13 +68,12 @@ class DecoderLayer(nn.Module):
                 return x, x
             residual = residual.index_select(0, output_rows.index)
         x, residual = ops.add_rms_norm(x, residual, self.post_attention_norm, self.eps)
-        gate_up = cpu_gemm.linear(x, self.gate_up_weight, None, self.gate_up_packed)
-        x = cpu_gemm.linear(ops.silu_and_mul(gate_up), self.down_weight, None, self.down_packed)
+        x = F.linear(ops.silu_and_mul(F.linear(x, self.gate_up_weight)), self.down_weight)
         return x, residual
 
     def _attention(self, x, rope, meta, kv_cache, backend, ops, output_rows=None) -> torch.Tensor:
         t = x.shape[0]
-        qkv = cpu_gemm.linear(x, self.qkv_weight, self.qkv_bias, self.qkv_packed)
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
         qk = qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
         if self.qk_norm is not None:
             qk = rms_norm(qk, self.qk_norm, self.eps)
@@ -105,7 +88,7 @@ class DecoderLayer(nn.Module):
             if t == 0:
                 return x.new_empty(0, x.shape[1])
         out = backend.attend(q, key_cache, value_cache, meta, self.scale)
-        return cpu_gemm.linear(out.reshape(t, self.q_size), self.o_weight, self.o_bias, self.o_packed)
+        return F.linear(out.reshape(t, self.q_size), self.o_weight, self.o_bias)
 
 
 class DecoderForCausalLM(nn.Module):
@@ -155,13 +138,11 @@ class DecoderForCausalLM(nn.Module):
             return hidden
         return self.ops.add_rms_norm(hidden, residual, self.norm, self.config.rms_norm_eps)[0]
 
-    def pack_cpu_weights(self) -> bool:
-        """On a float32 CPU model, run every projection and the LM head on oneDNN packed weights
-        (worker/engine/cpu_gemm.py); the layers' dense weights are freed. False where it does not apply."""
-        if not all(layer.pack_cpu_weights() for layer in self.layers):
-            return False
-        self._lm_head_packed()
-        return True
+    def pack_lm_head(self) -> None:
+        """On a float32 CPU model, pack the LM head for oneDNN now (worker/engine/cpu_gemm.py), not in
+        the first step."""
+        if self.lm_head.device.type == "cpu" and self.lm_head.dtype == torch.float32:
+            self._lm_head_packed()
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -208,10 +189,7 @@ class DecoderForCausalLM(nn.Module):
         return cached[1]
 
     def _lm_head_packed(self) -> torch.Tensor | None:
-        """oneDNN's packed lm_head (None without oneDNN); only models that packed their layers use it,
-        so one model never mixes the two GEMMs."""
-        if self.layers and self.layers[0].qkv_packed is None:
-            return None
+        """oneDNN's packed lm_head (None without oneDNN)."""
         return self._lm_head_copy("_lm_head_oned", cpu_gemm.pack)
 
     def _lm_head_transposed(self) -> torch.Tensor:
@@ -286,8 +264,6 @@ class DecoderForCausalLM(nn.Module):
 
         Raises CheckpointError for a tensor we have no place for or whose shape does not fit.
         """
-        if self.layers and self.layers[0].qkv_packed is not None:
-            raise RuntimeError("this model's weights are packed for the CPU (pack_cpu_weights): load into a new model")
         loaded: set[str] = set()
         for name, tensor in tensors:
             try:
