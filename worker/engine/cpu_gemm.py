@@ -18,7 +18,7 @@ summation order with the row count), and within float32 rounding of F.linear (te
 
 oneDNN builds (JIT-compiles) and keeps code for every input shape it meets, about 0.65 MB each and
 never freed, and the LM head meets every row count up to the batch size: in a soak of 20,000 jobs a
-worker grew by 40%. So a GEMM runs at one of 32 row counts (_padded_rows): up to 256 rows it is
+worker with every GEMM on oneDNN, unpadded, grew by 40%. So a GEMM runs at one of 32 row counts (_padded_rows): up to 256 rows it is
 padded to the next of them (the padding rows, computed and dropped, are at most 3 rows or an
 eighth), more rows go in pieces of 256. About 21 MB at most, and then no growth.
 
@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
-DISABLE_ENV = "TOKENMILL_ONEDNN_LINEAR"  # "0" keeps F.linear
+DISABLE_ENV = "TOKENMILL_ONEDNN_LINEAR"  # "0": the LM head stays on MKL
 
 # The row count oneDNN picks the packed layout for. It is a layout choice, not a limit: any row
 # count runs on it and gives the same bits (the hint only changes speed). 256 was as fast as the
@@ -66,7 +66,7 @@ def _self_check() -> bool:
 
 
 def available() -> bool:
-    """True when linear layers on the CPU run on oneDNN packed weights (checked once per process)."""
+    """True when float32 CPU weights can be packed for oneDNN (checked once per process)."""
     global _available
     if _switched_off():
         return False
@@ -108,7 +108,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pac
     if packed is None:
         return F.linear(x, weight, bias)
     rows = x.shape[0]
-    if rows > _MAX_ROWS:  # a prefill step: pieces of _MAX_ROWS rows are as fast per row
+    if rows > _MAX_ROWS:  # pieces of _MAX_ROWS rows are as fast per row, and keep the shapes few
         pieces = [_padded_matmul(x[i : i + _MAX_ROWS], packed, bias) for i in range(0, rows, _MAX_ROWS)]
         return torch.cat(pieces)
     return _padded_matmul(x, packed, bias)
