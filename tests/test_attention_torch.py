@@ -5,6 +5,7 @@ import random
 import pytest
 import torch
 
+from worker.engine import c_build
 from worker.engine.attention import AttentionMetadata, cpu_decode_kernel, get_attention_backend
 from worker.engine.attention.torch_backend import TorchAttentionBackend, build_plan
 
@@ -244,7 +245,7 @@ def _imports(path: str, symbol: str) -> bool:
 def test_without_openmp_the_pthread_build_is_used(tmp_path, monkeypatch):
     import subprocess
 
-    monkeypatch.setattr(cpu_decode_kernel, "_OPENMP_FLAGS", ["-fno-such-flag-for-this-test"])
+    monkeypatch.setattr(c_build, "OPENMP_FLAGS", ["-fno-such-flag-for-this-test"])
     monkeypatch.setenv("TOKENMILL_CACHE", str(tmp_path))
     lib = cpu_decode_kernel._build()
     assert lib is not None and str(tmp_path) in lib._name

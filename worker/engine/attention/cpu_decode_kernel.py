@@ -6,8 +6,7 @@ small batched GEMMs was ~80% of a tiny model's forward. This kernel walks each r
 reads every K and V vector once, computing all query heads of a GQA group against it, so a step moves
 each cached byte once. Measured on one core it is several times faster than the torch path.
 
-It is C, not C++ against torch headers, so it compiles in well under a second with the system
-compiler on first use and is cached (keyed by source, compiler flags and CPU). Without a compiler,
+It is C, built with the system compiler on first use and cached (worker/engine/c_build.py). Without a compiler,
 or if the build fails, available() is False and the caller keeps the plain torch path, which is also
 the reference the tests compare this kernel against.
 
@@ -20,19 +19,12 @@ with torch's workers, which spin on the other cores after each GEMM: 0.9x from 1
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
 import threading
-from pathlib import Path
 
 import torch
 
-log = logging.getLogger(__name__)
+from worker.engine.c_build import build_library
 
 DISABLE_ENV = "TOKENMILL_CPU_ATTENTION_KERNEL"  # "0" turns the kernel off (plain torch path)
 
@@ -341,65 +333,15 @@ int paged_decode_attention_f32(
 }
 """
 
-# gnu99 (not c99) keeps -ffp-contract=fast, i.e. fused multiply-add; no -ffast-math, so expf, inf and
-# NaN keep their IEEE behaviour.
-_FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-std=gnu99", "-pthread"]
-# With OpenMP the kernel's threads are torch's own (see the source); a compiler without it builds
-# the pthread version.
-_OPENMP_FLAGS = ["-fopenmp"]
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("TOKENMILL_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tokenmill"
-    )
-    return Path(root) / "kernels"
-
-
-def _cpu_id() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            return next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return platform.processor()
-
-
-def _compile(compiler: str, flags: list[str]) -> tuple[Path | None, str]:
-    """The cached library built with `flags` (built now if missing), or (None, the compiler's error)."""
-    key = hashlib.sha256("\0".join([_SOURCE, compiler, *flags, platform.machine(), _cpu_id()]).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"paged_decode_{key}.so"
-    if target.exists():
-        return target, ""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        src = Path(tmp) / "paged_decode.c"
-        src.write_text(_SOURCE)
-        built = Path(tmp) / "paged_decode.so"
-        proc = subprocess.run([compiler, *flags, str(src), "-o", str(built), "-lm"],
-                              capture_output=True, text=True, timeout=120)
-        if proc.returncode != 0:
-            return None, proc.stderr[-2000:]
-        os.replace(built, target)  # atomic: concurrent builders all end with a complete file
-    return target, ""
-
-
 def _build() -> ctypes.CDLL | None:
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not compiler or not platform.system() == "Linux":
-        log.info("no C compiler found: CPU decode attention uses the plain torch path")
+    lib = build_library("paged_decode", _SOURCE, "CPU decode attention kernel")
+    if lib is None:
         return None
-    target = None
-    for flags in ([*_FLAGS, *_OPENMP_FLAGS], _FLAGS):
-        target, error = _compile(compiler, flags)
-        if target is not None:
-            break
-    if target is None:
-        log.warning("building the CPU decode attention kernel failed; using plain torch: %s", error)
-        return None
-    lib = ctypes.CDLL(str(target))
     fn = lib.paged_decode_attention_f32
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_float, i64, i64]
@@ -415,11 +357,7 @@ def load() -> ctypes.CDLL | None:
     with _lock:
         if not _tried:
             _tried = True
-            try:
-                _lib = _build()
-            except (OSError, subprocess.SubprocessError) as exc:
-                log.warning("CPU decode attention kernel unavailable (%s); using plain torch", exc)
-                _lib = None
+            _lib = _build()
         return _lib
 
 
