@@ -41,9 +41,9 @@ def test_a_row_gets_the_same_bits_at_any_row_count():
 def test_gemms_run_at_a_few_row_counts_with_little_padding():
     """oneDNN keeps ~0.65 MB of code per input shape it meets: a worker that met every row count
     would grow for hours. 32 row counts serve everything, padding at most 3 rows or an eighth."""
-    sizes = {cpu_gemm._padded_rows(rows) for rows in range(1, cpu_gemm._MAX_ROWS + 1)}
-    assert len(sizes) == 32 and max(sizes) == cpu_gemm._MAX_ROWS
-    for rows in range(1, cpu_gemm._MAX_ROWS + 1):
+    sizes = {cpu_gemm._padded_rows(rows) for rows in range(1, cpu_gemm.MAX_ROWS + 1)}
+    assert len(sizes) == 32 and max(sizes) == cpu_gemm.MAX_ROWS
+    for rows in range(1, cpu_gemm.MAX_ROWS + 1):
         extra = cpu_gemm._padded_rows(rows) - rows
         assert 0 <= extra <= max(3, rows // 8), rows
 

@@ -117,6 +117,8 @@ def inject(engine: Engine, monkeypatch, where: str, culprit: str) -> list[int]:
             return original_sample(logits, inputs, token_mask)
 
         monkeypatch.setattr(engine.sampler, "sample_ids", sample_ids)
+        # Greedy rows would skip the sampler (the greedy screen finds their tokens in the forward).
+        monkeypatch.setattr(engine.runner.model, "greedy_ids", lambda hidden: None)
     return raised
 
 

@@ -168,13 +168,13 @@ def test_greedy_fast_path_is_argmax_with_lowest_id_on_ties():
     logits[2] = -1.0
     logits[2, [0, 1]] = -0.5
     inputs = [SamplingInputs(SamplingParams(temperature=0.0), [1], [], EOS) for _ in range(3)]
-    assert Sampler._fast_path_ok(inputs)
+    assert Sampler.argmax_is_enough(inputs)
     assert [t.token_id for t in Sampler()(logits, inputs)] == [4, 63, 0]
     # The general path agrees with the fast path.
     with_logprobs = [
         SamplingInputs(SamplingParams(temperature=0.0, logprobs=0), [1], [], EOS) for _ in range(3)
     ]
-    assert not Sampler._fast_path_ok(with_logprobs)
+    assert not Sampler.argmax_is_enough(with_logprobs)
     assert [t.token_id for t in Sampler()(logits, with_logprobs)] == [4, 63, 0]
 
 

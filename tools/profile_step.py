@@ -99,6 +99,7 @@ def _instrument(stack: ExitStack, timer: PartTimer) -> None:
         (ModelRunner, "prepare", "step inputs"),
         (ModelRunner, "execute", "forward, other"),
         (DecoderForCausalLM, "compute_logits", "LM head"),
+        (DecoderForCausalLM, "greedy_ids", "LM head"),
         (TorchAttentionBackend, "write_kv", "KV write"),
         (TorchAttentionBackend, "attend", "attention, other"),
         (TorchAttentionBackend, "_decode", "decode attention"),

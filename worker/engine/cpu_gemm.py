@@ -42,7 +42,7 @@ DISABLE_ENV = "TOKENMILL_ONEDNN_LINEAR"  # "0": the LM head stays on MKL
 # count runs on it and gives the same bits (the hint only changes speed). 256 was as fast as the
 # best hint from 1 to 2,048 rows on the shapes measured; a hint of 1 picks a GEMV layout whose
 # one-row results differ from the others.
-_PACK_ROWS_HINT = 256
+PACK_ROWS_HINT = 256
 
 _lock = threading.Lock()
 _available: bool | None = None
@@ -60,7 +60,7 @@ def _self_check() -> bool:
     bias = torch.randn(48, generator=gen)
     x = torch.randn(5, 32, generator=gen)
     with torch.inference_mode():
-        got = _matmul(x, torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_ROWS_HINT), bias)
+        got = _matmul(x, torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT), bias)
         want = F.linear(x, weight, bias)
     return got.shape == want.shape and bool(torch.allclose(got, want, rtol=1e-5, atol=1e-5))
 
@@ -85,7 +85,7 @@ def pack(weight: torch.Tensor) -> torch.Tensor | None:
     if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2 or not available():
         return None
     with torch.inference_mode():
-        return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), _PACK_ROWS_HINT)
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_ROWS_HINT)
 
 
 def _matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -93,11 +93,11 @@ def _matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) ->
 
 
 # Rows per GEMM call: more are computed in pieces of this many (see _padded_rows).
-_MAX_ROWS = 256
+MAX_ROWS = 256
 
 
 def _padded_rows(rows: int) -> int:
-    """The row count a GEMM of 1 <= `rows` <= _MAX_ROWS rows runs at: a multiple of 4 up to 64, then
+    """The row count a GEMM of 1 <= `rows` <= MAX_ROWS rows runs at: a multiple of 4 up to 64, then
     eight sizes per doubling; 32 sizes in all, so at most 3 rows or 12.5% are padding."""
     step = max(4, 1 << max(0, (rows - 1).bit_length() - 4))
     return -(-rows // step) * step
@@ -108,8 +108,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pac
     if packed is None:
         return F.linear(x, weight, bias)
     rows = x.shape[0]
-    if rows > _MAX_ROWS:  # pieces of _MAX_ROWS rows are as fast per row, and keep the shapes few
-        pieces = [_padded_matmul(x[i : i + _MAX_ROWS], packed, bias) for i in range(0, rows, _MAX_ROWS)]
+    if rows > MAX_ROWS:  # pieces of MAX_ROWS rows are as fast per row, and keep the shapes few
+        pieces = [_padded_matmul(x[i : i + MAX_ROWS], packed, bias) for i in range(0, rows, MAX_ROWS)]
         return torch.cat(pieces)
     return _padded_matmul(x, packed, bias)
 

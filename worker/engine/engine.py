@@ -351,7 +351,9 @@ class Engine:
         runner = self.runner
         # Constrained rows get their masks filled on other threads while the forward runs.
         token_mask = None if overlapped else self.constraints.start_step(out)
-        logits, step_in = runner.execute(out, self.overlap.pending if overlapped else None)
+        # Without a mask or a fork to feed, plain greedy rows need their argmax only (GreedyIds).
+        argmax_ok = token_mask is None and not self.groups
+        logits, step_in = runner.execute(out, self.overlap.pending if overlapped else None, argmax_ok)
         if step_in is None:
             return None
         self.metrics.record_kv_use(step_in, self.block_manager.num_used_blocks)

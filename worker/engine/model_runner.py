@@ -40,6 +40,7 @@ import torch
 from worker.engine.attention import AttentionMetadata, OutputRows
 from worker.engine.cuda_graphs import DecodeGraphRunner, capture_sizes
 from worker.engine.request import PENDING_TOKEN, Request
+from worker.engine.sampler import Sampler
 from worker.engine.scoring import ScoreRows, record_scores, score_rows
 
 if TYPE_CHECKING:
@@ -70,6 +71,14 @@ class PendingTokens:
 
     ids: torch.Tensor  # [len(requests)] sampled ids, on the device
     requests: Sequence[Request]  # the requests that sampled them, in row order
+
+
+@dataclass
+class GreedyIds:
+    """What a step returns instead of logits when every sampling row is plain greedy and the model
+    found their argmax without the full LM head (greedy_head.py): the ids [rows], on the CPU."""
+
+    ids: torch.Tensor
 
 
 _HUGE_PAGE = 2 << 20
@@ -448,13 +457,15 @@ class ModelRunner:
         return buf[:rows]
 
     def execute(
-        self, out: SchedulerOutput, pending: PendingTokens | None = None
-    ) -> tuple[torch.Tensor | None, StepInputs | None]:
+        self, out: SchedulerOutput, pending: PendingTokens | None = None, argmax_ok: bool = False
+    ) -> tuple[torch.Tensor | GreedyIds | None, StepInputs | None]:
         """Free the rows of the requests `out` names as finished or preempted, then launch one
         batched forward over its requests; returns float32 logits [num sampling requests, vocab]
         (None when no row samples) and the step's StepInputs (both None for an empty step).
 
         `pending`: the previous step's sampled ids when they are not on the host yet.
+        `argmax_ok`: the caller needs no logits row but each row's sampled token (no mask, no fork):
+        when every sampling row is then plain greedy, the result may be GreedyIds instead.
         Nothing here waits for the GPU: on CUDA the logits are still being computed when this
         returns. last_forward_s is the forward's wall time on the CPU (where it runs synchronously);
         on CUDA, forward_start is a CUDA event recorded just before the forward, for timing it.
@@ -474,7 +485,7 @@ class ModelRunner:
                 logits = self.graph_runner.run(input_ids, positions, meta)
                 self.num_graph_steps += 1
             else:
-                logits = self._forward(input_ids, positions, meta, output_rows, stats)
+                logits = self._forward(input_ids, positions, meta, output_rows, stats, argmax_ok)
         self.last_forward_s = time.perf_counter() - t0
         return logits, stats
 
@@ -487,7 +498,7 @@ class ModelRunner:
             and self.graph_runner.can_run(meta)
         )
 
-    def _forward(self, input_ids, positions, meta, output_rows, stats) -> torch.Tensor | None:
+    def _forward(self, input_ids, positions, meta, output_rows, stats, argmax_ok=False) -> torch.Tensor | GreedyIds | None:
         # With output_rows (any step that is not pure decode) the hidden states are those rows only:
         # the sampling rows, then the scored prompt positions.
         hidden = self.model(input_ids, positions, meta, self.kv_caches, output_rows)
@@ -499,4 +510,8 @@ class ModelRunner:
             hidden = hidden[:num_samples]
         if not num_samples:
             return None
+        if argmax_ok and Sampler.argmax_is_enough([r.sampling_inputs for r in stats.sample_requests]):
+            ids = self.model.greedy_ids(hidden)
+            if ids is not None:
+                return GreedyIds(ids)
         return self.model.compute_logits(hidden, out=self._logits_buffer(hidden))

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.engine.model_runner import PendingTokens
+from worker.engine.model_runner import GreedyIds, PendingTokens
 from worker.engine.request import Request
 from worker.engine.sampler import SampledToken, Sampler, TokenMask, has_penalties
 from worker.engine.types import SamplingParams
@@ -73,7 +73,7 @@ class LaunchedStep:
 
 
 def launch_sampling(
-    sampler: Sampler, logits: torch.Tensor, requests: list[Request], *, forward_start: torch.cuda.Event | None,
+    sampler: Sampler, logits: torch.Tensor | GreedyIds, requests: list[Request], *, forward_start: torch.cuda.Event | None,
     forward_s: float, overlapped: bool, token_mask: TokenMask | None = None,
 ) -> LaunchedStep:
     """Sample a launched forward's logits. Synchronous: the tokens come back to the host.
@@ -82,7 +82,9 @@ def launch_sampling(
     launched = LaunchedStep(requests=requests, forward_start=forward_start)
     t0 = time.perf_counter()
     with torch.inference_mode():  # logits are inference tensors; the sampler edits them
-        if overlapped:
+        if isinstance(logits, GreedyIds):  # the forward found the tokens already (no mask here)
+            _take_ids(logits.ids, launched, overlapped)
+        elif overlapped:
             _sample_on_device(sampler, logits, launched)
         else:
             _sample_to_host(sampler, logits, launched, token_mask)
@@ -103,10 +105,24 @@ def _sample_to_host(
     launched.sampled = [SampledToken(t) for t in ids.tolist()]  # waits for the GPU
 
 
-def _sample_on_device(sampler: Sampler, logits: torch.Tensor, launched: LaunchedStep) -> None:
-    reqs = launched.requests
-    ids = sampler.sample_ids(logits, [r.sampling_inputs for r in reqs])
+def _take_ids(ids: torch.Tensor, launched: LaunchedStep, overlapped: bool) -> None:
+    """Tokens the forward computed itself (GreedyIds, on the CPU)."""
     launched.mark_sampled()
+    if overlapped:
+        _leave_pending(ids, launched)
+    else:
+        launched.sampled = [SampledToken(t) for t in ids.tolist()]
+
+
+def _sample_on_device(sampler: Sampler, logits: torch.Tensor, launched: LaunchedStep) -> None:
+    ids = sampler.sample_ids(logits, [r.sampling_inputs for r in launched.requests])
+    launched.mark_sampled()
+    _leave_pending(ids, launched)
+
+
+def _leave_pending(ids: torch.Tensor, launched: LaunchedStep) -> None:
+    """The ids stay where they are, as the next step's inputs; their copy to the host is started."""
+    reqs = launched.requests
     launched.pending = PendingTokens(ids, reqs)
     if ids.device.type == "cuda":
         launched.host_ids = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)

@@ -183,7 +183,7 @@ class Sampler:
             if any(inp.params.logprobs is not None for inp in inputs):
                 raw = logits.clone()  # logprobs are of the unmasked distribution
             token_mask.apply(logits)
-        if self._fast_path_ok(inputs):  # (False when logprobs are asked)
+        if self.argmax_is_enough(inputs):  # (False when logprobs are asked)
             return [SampledToken(t) for t in greedy_argmax(logits).tolist()]
         token_ids = self._token_ids(logits, inputs)
         return self._with_logprobs(raw, token_ids, inputs)
@@ -199,7 +199,7 @@ class Sampler:
             raise ValueError("sample_ids does not compute logprobs; call the sampler itself for such rows")
         if token_mask is not None:
             token_mask.apply(logits)
-        if self._fast_path_ok(inputs):
+        if self.argmax_is_enough(inputs):
             return greedy_argmax(logits)
         return self._token_ids(logits, inputs)
 
@@ -233,7 +233,9 @@ class Sampler:
         return logits.float().contiguous()
 
     @staticmethod
-    def _fast_path_ok(inputs: Sequence[SamplingInputs]) -> bool:
+    def argmax_is_enough(inputs: Sequence[SamplingInputs]) -> bool:
+        """Every row is plain greedy (no logprobs, penalties or min_tokens blocking): its token is
+        the argmax of its logits (masked first where the step has a token mask)."""
         for inp in inputs:
             p = inp.params
             if (

@@ -19,6 +19,7 @@ from torch import nn
 
 from worker.engine import cpu_gemm
 from worker.engine.attention import AttentionBackend, AttentionMetadata, OutputRows
+from worker.engine.greedy_head import GreedyScreen
 from worker.engine.layers import RotaryEmbedding, rms_norm
 from worker.engine.model_config import CheckpointError, ModelConfig
 from worker.engine.models.ops import RopeInputs, TorchOps, TritonOps, make_ops
@@ -139,10 +140,24 @@ class DecoderForCausalLM(nn.Module):
         return self.ops.add_rms_norm(hidden, residual, self.norm, self.config.rms_norm_eps)[0]
 
     def pack_lm_head(self) -> None:
-        """On a float32 CPU model, pack the LM head for oneDNN now (worker/engine/cpu_gemm.py), not in
-        the first step."""
+        """On a float32 CPU model, pack the LM head for oneDNN now (worker/engine/cpu_gemm.py) and build
+        its greedy screen (worker/engine/greedy_head.py), not in the first step."""
         if self.lm_head.device.type == "cpu" and self.lm_head.dtype == torch.float32:
-            self._lm_head_packed()
+            self._greedy_screen()
+
+    @torch.inference_mode()
+    def greedy_ids(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """int64 [N]: the argmax of compute_logits(hidden) row by row, the same tokens, without the full
+        float32 LM head (CPU float32 only); None where the screen does not apply, for the caller to
+        compute the logits."""
+        if hidden.device.type != "cpu" or self.lm_head.dtype != torch.float32:
+            return None
+        screen = self._greedy_screen()
+        return None if screen is None else screen.greedy_ids(hidden)
+
+    def _greedy_screen(self) -> GreedyScreen | None:
+        packed = self._lm_head_packed()
+        return self._lm_head_copy("_lm_head_screen", lambda w: GreedyScreen.build(w, packed))
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,0 +1,178 @@
+"""The greedy screen: a bfloat16 LM head picks candidates, float32 decides, and the token is always the
+full float32 head's argmax (near ties and exact ties included); the engine's greedy outputs are
+unchanged with it, and rows that need logits still get them."""
+
+import pytest
+import torch
+
+from worker.engine import Engine, EngineConfig, cpu_gemm, greedy_head
+from worker.engine.attention.torch_backend import TorchAttentionBackend
+from worker.engine.loader import load_model
+from worker.engine.model_runner import GreedyIds, ModelRunner
+from worker.engine.sampler import greedy_argmax
+from worker.engine.types import EngineRequest, SamplingParams
+
+pytestmark = pytest.mark.skipif(
+    not greedy_head.bf16_gemm_supported(), reason="this CPU has no bfloat16 GEMM in oneDNN (the screen is off)"
+)
+
+
+def _head(vocab, hidden, seed=0, scale=0.02):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(vocab, hidden, generator=g) * scale
+
+
+def _full_argmax(hidden, weight, packed):
+    return greedy_argmax(cpu_gemm.linear(hidden, weight, None, packed))
+
+
+@pytest.mark.parametrize("hidden_size", [64, 256, 576])
+def test_the_token_is_the_full_heads_argmax_at_every_row_count(hidden_size):
+    weight = _head(4096, hidden_size)
+    packed = cpu_gemm.pack(weight)
+    screen = greedy_head.GreedyScreen.build(weight, packed)
+    assert screen is not None
+    x = torch.randn(300, hidden_size, generator=torch.Generator().manual_seed(1))
+    want = _full_argmax(x, weight, packed)
+    for rows in (1, 3, 64, 257, 300):
+        got = screen.greedy_ids(x[:rows])
+        assert got is not None and torch.equal(got, want[:rows]), rows
+    # a few candidates per row are computed in float32, not the whole vocabulary
+    assert 300 <= screen.last_candidates < 300 * 64
+
+
+def test_candidate_logits_are_the_full_heads_bits():
+    weight = _head(2048, 576, seed=3)
+    packed = cpu_gemm.pack(weight)
+    screen = greedy_head.GreedyScreen.build(weight, packed)
+    x = torch.randn(4, 576, generator=torch.Generator().manual_seed(4))
+    full = cpu_gemm.linear(x, weight, None, packed)
+    rows = torch.arange(4).repeat_interleave(2048)
+    cols = torch.arange(2048).repeat(4)
+    got = torch.empty(rows.numel())
+    screen._lib.logits_at(x.data_ptr(), x.stride(0), weight.data_ptr(), 576, screen.k_block, rows.data_ptr(),
+                          cols.data_ptr(), rows.numel(), got.data_ptr())
+    assert torch.equal(got, full.flatten())
+
+
+def test_near_ties_and_exact_ties_resolve_as_the_full_head():
+    """Columns one float32 rounding apart, which bfloat16 cannot tell apart, and duplicated columns
+    (an exact tie: the lowest id wins, as torch.argmax)."""
+    hidden_size, vocab = 256, 1024
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(64, hidden_size, generator=g)
+    weight = _head(vocab, hidden_size, seed=6)
+    # Row r's best direction is x[r]; columns 2r and 2r+1 hold it with one element nudged by an ulp.
+    for r in range(64):
+        base = x[r] / x[r].norm() * 0.5
+        weight[2 * r] = base
+        nudged = base.clone()
+        nudged[r % hidden_size] = torch.nextafter(nudged[r % hidden_size], torch.tensor(1.0))
+        weight[2 * r + 1] = nudged if r % 2 else base  # odd rows: a near tie; even rows: an exact tie
+    packed = cpu_gemm.pack(weight)
+    screen = greedy_head.GreedyScreen.build(weight, packed)
+    want = _full_argmax(x, weight, packed)
+    got = screen.greedy_ids(x)
+    assert torch.equal(got, want)
+    assert all(int(got[r]) in (2 * r, 2 * r + 1) for r in range(64))
+    assert all(int(got[r]) == 2 * r for r in range(0, 64, 2))  # exact ties: the lower id
+
+
+def test_the_bound_holds_on_the_screen():
+    """|screen - float32 logit| stays inside the eps the candidates are chosen with."""
+    weight = _head(8192, 576, seed=7, scale=0.05)
+    packed = cpu_gemm.pack(weight)
+    screen = greedy_head.GreedyScreen.build(weight, packed)
+    x = torch.randn(32, 576, generator=torch.Generator().manual_seed(8)) * 3
+    approx = cpu_gemm.linear(x.to(torch.bfloat16), weight, None, screen.packed).float()
+    exact = cpu_gemm.linear(x, weight, None, packed)
+    eps = screen.c_rel * x.double().norm(dim=1) * screen.w_max
+    err = (approx.double() - exact.double()).abs().amax(dim=1)
+    assert bool((err <= eps).all())
+    assert float((err / eps).max()) > 0.01  # the bound is not vacuous by orders of magnitude
+
+
+def test_rows_that_are_not_finite_go_to_the_full_head():
+    weight = _head(512, 64)
+    packed = cpu_gemm.pack(weight)
+    screen = greedy_head.GreedyScreen.build(weight, packed)
+    for bad in (float("inf"), float("nan"), 1e38):  # 1e38: a logit could overflow float32
+        x = torch.randn(3, 64)
+        x[1, 5] = bad
+        assert screen.greedy_ids(x) is None
+    x[1, 5] = 1e30  # large, but no sum can overflow: screened as any other row
+    assert torch.equal(screen.greedy_ids(x), _full_argmax(x, weight, packed))
+    assert screen.greedy_ids(torch.zeros(2, 64)) is not None  # all logits 0: a tie, id 0
+    assert screen.greedy_ids(torch.zeros(2, 64)).tolist() == [0, 0]
+
+
+def test_switched_off_or_without_onednn_there_is_no_screen(monkeypatch):
+    weight = _head(512, 64)
+    packed = cpu_gemm.pack(weight)
+    assert greedy_head.GreedyScreen.build(weight, None) is None
+    assert greedy_head.GreedyScreen.build(weight.to(torch.bfloat16), packed) is None
+    weight_bad = weight.clone()
+    weight_bad[3, 3] = float("nan")
+    assert greedy_head.GreedyScreen.build(weight_bad, packed) is None
+    monkeypatch.setenv(greedy_head.DISABLE_ENV, "0")
+    assert greedy_head.GreedyScreen.build(weight, packed) is None
+
+
+def test_a_loaded_model_builds_the_screen_at_load_and_rebuilds_it_for_a_new_weight(tiny_model_dir):
+    model, _ = load_model(tiny_model_dir, attention_backend=TorchAttentionBackend())
+    cached = getattr(model, "_lm_head_screen", None)
+    assert cached is not None and cached[1] is not None
+    hidden = torch.randn(9, model.config.hidden_size)
+    assert torch.equal(model.greedy_ids(hidden), greedy_argmax(model.compute_logits(hidden)))
+    with torch.no_grad():
+        model.lm_head.mul_(-1)
+    assert torch.equal(model.greedy_ids(hidden), greedy_argmax(model.compute_logits(hidden)))
+
+
+def _requests():
+    prompts = [[(7 * i + 3 * j) % 1500 + 10 for j in range(5 + 3 * i)] for i in range(12)]
+    reqs = [EngineRequest(request_id=f"g{i}", prompt_token_ids=p,
+                          sampling=SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+            for i, p in enumerate(prompts)]
+    return reqs
+
+
+def _generate(model_dir, requests, monkeypatch, screen_on):
+    monkeypatch.setenv(greedy_head.DISABLE_ENV, "1" if screen_on else "0")
+    calls = []
+    real = ModelRunner._forward
+
+    def spy(self, *args, **kwargs):
+        out = real(self, *args, **kwargs)
+        calls.append(type(out).__name__)
+        return out
+
+    monkeypatch.setattr(ModelRunner, "_forward", spy)
+    engine = Engine(EngineConfig(model=str(model_dir), dtype="float32", kv_cache_gb=0.01, max_model_len=256))
+    results = engine.generate(requests)
+    return {rid: list(r.output_token_ids) for rid, r in results.items()}, calls, results
+
+
+def test_engine_greedy_outputs_are_the_same_with_and_without_the_screen(tiny_llama_dir, monkeypatch):
+    on, calls_on, _ = _generate(tiny_llama_dir, _requests(), monkeypatch, True)
+    off, calls_off, _ = _generate(tiny_llama_dir, _requests(), monkeypatch, False)
+    assert on == off
+    assert GreedyIds.__name__ in calls_on and GreedyIds.__name__ not in calls_off
+
+
+def test_rows_that_need_logits_keep_the_full_head(tiny_llama_dir, monkeypatch):
+    """A batch with a sampled row or a logprobs row is not argmax-only: the step computes logits,
+    and the greedy rows in it still get the same tokens."""
+    base = _requests()
+    mixed = base[:6] + [
+        EngineRequest(request_id="lp", prompt_token_ids=[11, 12, 13],
+                      sampling=SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, logprobs=2)),
+        EngineRequest(request_id="hot", prompt_token_ids=[21, 22, 23],
+                      sampling=SamplingParams(max_tokens=20, temperature=0.8, seed=7, ignore_eos=True)),
+    ]
+    on, calls_on, results = _generate(tiny_llama_dir, mixed, monkeypatch, True)
+    off, _, _ = _generate(tiny_llama_dir, mixed, monkeypatch, False)
+    assert on == off
+    assert results["lp"].logprobs  # the logprobs row got its logprobs
+    # the logprobs and sampled rows outlive the greedy ones: every step computed logits
+    assert GreedyIds.__name__ not in calls_on

@@ -1,0 +1,277 @@
+"""Greedy rows on the CPU without the full float32 LM head: a bfloat16 screen, float32 for the few
+candidates, and the same token as the full head.
+
+Why: the LM head is the largest GEMM of a decode step (28% of a one-thread tiny-llama step), and a
+plain greedy row reads one number out of it, the argmax. With avx512_bf16, oneDNN's bfloat16 GEMM
+runs at about twice the float32 rate, but its logits are rounded: taken as they are, they would pick
+another token whenever two logits are close. So the bfloat16 logits only screen.
+
+How, for one row with hidden state h (float32) and LM-head rows w_j:
+
+1. screen_j = h . w_j with h and w rounded to bfloat16, float32 accumulation, bfloat16 result (oneDNN,
+   on a bfloat16 copy of the weight packed once at load).
+2. A bound that holds for every j: |screen_j - logit_j| <= eps, where logit_j is the float32 logit of
+   any summation order (the full head's included). Rounding h_k and w_jk to bfloat16 moves their
+   product by at most (2u + u^2)|h_k w_jk| (u = 2^-8), each float32 sum by gamma_K = K 2^-24 / (1 - K
+   2^-24) of the sum of magnitudes, and rounding the result to bfloat16 by u of it; the magnitudes sum
+   to at most |h| |w_j| (Cauchy-Schwarz), so eps = C_K |h| max_j |w_j| with C_K = 3u + 4u^2 + 3 gamma_K
+   (an upper bound of the terms above), plus K 2^-126 (|h| + max |w| + 1) for the denormals that the
+   bfloat16 instructions flush to zero.
+3. Every j whose logit can be the maximum has screen_j >= max(screen) - 2 eps. Those candidates, a few
+   per row, get their float32 logit computed in C the way oneDNN's float32 kernel computes it (one
+   fused multiply-add per k, in order), so each is the full head's logit bit for bit (tested), and the
+   row's token is their argmax, the lowest id on ties, as torch.argmax.
+
+A row whose hidden state or screen is not finite goes to the full head. Only plain greedy rows come
+here (no logprobs, penalties, masks or min_tokens: the caller checks); they need the argmax only.
+Off with TOKENMILL_GREEDY_SCREEN=0, and wherever oneDNN has no bfloat16 GEMM or the C kernel cannot
+be built: then every row takes the full head.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+
+import torch
+
+from worker.engine import cpu_gemm
+from worker.engine.c_build import build_library
+
+log = logging.getLogger(__name__)
+
+DISABLE_ENV = "TOKENMILL_GREEDY_SCREEN"  # "0": greedy rows take the full float32 LM head
+
+_SOURCE = r"""
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+static inline float bf16_to_f32(uint16_t b) {
+    const uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+#if defined(__AVX512F__)
+/* 16 bfloat16 values as float32: a bfloat16 is the top half of a float32. */
+static inline __m512 bf16x16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+#endif
+
+/* The largest of V bfloat16 values (NaN ignored; the caller rejects a row whose norm is not finite). */
+static inline float row_max(const uint16_t *s, int64_t V) {
+    float m = -INFINITY;
+    int64_t j = 0;
+#if defined(__AVX512F__)
+    __m512 mv = _mm512_set1_ps(-INFINITY);
+    for (; j + 16 <= V; j += 16) mv = _mm512_max_ps(mv, bf16x16(s + j));
+    m = _mm512_reduce_max_ps(mv);
+#endif
+    for (; j < V; ++j) {
+        const float x = bf16_to_f32(s[j]);
+        m = x > m ? x : m;
+    }
+    return m;
+}
+
+/* The float32 logit as oneDNN's float32 GEMM computes it: fused multiply-adds in order of k within
+   each block of `kb` (oneDNN's K blocking, found at load: GreedyScreen.build), the blocks' sums added in
+   order. */
+static inline float logit_f32(const float *h, const float *w, int64_t K, int64_t kb) {
+    float total = 0.f;
+    for (int64_t k0 = 0; k0 < K; k0 += kb) {
+        const int64_t end = k0 + kb < K ? k0 + kb : K;
+        float acc = 0.f;
+        for (int64_t k = k0; k < end; ++k) acc = fmaf(h[k], w[k], acc);
+        total = k0 == 0 ? acc : total + acc;
+    }
+    return total;
+}
+
+/* out[i] = logit_f32 of hidden row rows[i] and weight row cols[i] (used to find kb at load). */
+void logits_at(const float *hidden, int64_t h_stride, const float *weight, int64_t K, int64_t kb,
+               const int64_t *rows, const int64_t *cols, int64_t n, float *out)
+{
+    for (int64_t i = 0; i < n; ++i) out[i] = logit_f32(hidden + rows[i] * h_stride, weight + cols[i] * K, K, kb);
+}
+
+/* Row r: screen[r] holds V bfloat16 logits within eps_r of the float32 ones (eps_r from the row's
+   norm, computed here in double). ids[r] = the argmax of the float32 logits of the candidates
+   (screen >= max - 2 eps_r), lowest id on ties; cand[r] = their number, or -1 when the row's hidden
+   state or screen is not finite (the caller then takes the full head for it). */
+void greedy_from_screen(const uint16_t *screen, int64_t screen_stride, const float *hidden, int64_t h_stride,
+                        const float *weight, int64_t V, int64_t K, int64_t kb, double c_rel, double w_max, double abs_term,
+                        int64_t n, int64_t *ids, int64_t *cand)
+{
+    #pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < n; ++r) {
+        const uint16_t *s = screen + r * screen_stride;
+        const float *h = hidden + r * h_stride;
+        double sq = 0.0;
+        for (int64_t k = 0; k < K; ++k) sq += (double)h[k] * (double)h[k];
+        const double norm = sqrt(sq);
+        const float m = row_max(s, V);
+        /* |logit| <= norm * w_max: below 1e37 no sum can overflow, so no screen value is NaN */
+        if (!(norm * w_max < 1e37) || !isfinite(m)) { ids[r] = -1; cand[r] = -1; continue; }
+        /* rounded down, so that no candidate is lost to the rounding of the threshold itself */
+        const double eps = (c_rel * norm * w_max) * (1.0 + 1e-9) + abs_term * (norm + w_max + 1.0);
+        const float thr = nextafterf((float)((double)m - 2.0 * eps), -INFINITY);
+        int64_t best_id = -1, count = 0;
+        float best = -INFINITY;
+        int64_t j = 0;
+#if defined(__AVX512F__)
+        const __m512 thr_v = _mm512_set1_ps(thr);
+        for (; j + 16 <= V; j += 16) {
+            __mmask16 hit = _mm512_cmp_ps_mask(bf16x16(s + j), thr_v, _CMP_GE_OQ);
+            while (hit) {
+                const int64_t c = j + __builtin_ctz(hit);
+                hit &= hit - 1;
+                const float v = logit_f32(h, weight + c * K, K, kb);
+                ++count;
+                if (best_id < 0 || v > best) { best = v; best_id = c; } /* ascending ids: ties keep the lowest */
+            }
+        }
+#endif
+        for (; j < V; ++j) {
+            if (!(bf16_to_f32(s[j]) >= thr)) continue;
+            const float v = logit_f32(h, weight + j * K, K, kb);
+            ++count;
+            if (best_id < 0 || v > best) { best = v; best_id = j; }
+        }
+        ids[r] = best_id;
+        cand[r] = count;
+    }
+}
+"""
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_tried = False
+
+
+def _switched_off() -> bool:
+    return os.environ.get(DISABLE_ENV, "1").strip().lower() in ("0", "false", "no", "off")
+
+
+def _load() -> ctypes.CDLL | None:
+    global _lib, _tried
+    with _lock:
+        if not _tried:
+            _tried = True
+            lib = build_library("greedy_screen", _SOURCE, "greedy LM-head screen")
+            if lib is not None:
+                i64, ptr, f64 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_double
+                lib.greedy_from_screen.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, f64, f64, f64, i64, ptr, ptr]
+                lib.greedy_from_screen.restype = None
+                lib.logits_at.argtypes = [ptr, i64, ptr, i64, i64, ptr, ptr, i64, ptr]
+                lib.logits_at.restype = None
+            _lib = lib
+        return _lib
+
+
+def bf16_gemm_supported() -> bool:
+    """oneDNN has a bfloat16 GEMM on this CPU (without one torch would emulate it, slower than fp32)."""
+    try:
+        return bool(torch.backends.mkldnn.is_available()) and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (RuntimeError, AttributeError):
+        return False
+
+
+def bound_constant(k: int) -> float:
+    """C_K of the module docstring: |screen - logit| <= C_K |h| |w| for a dot product of length k."""
+    u = 2.0**-8
+    gamma = k * 2.0**-24 / (1.0 - k * 2.0**-24)
+    return 3 * u + 4 * u * u + 3 * gamma
+
+
+# oneDNN's K blocks tried at load, largest first: its float32 kernel sums K in blocks (all of K=256,
+# 512 of K=576, 1024 of K=2048 measured), the block a heuristic of the shape.
+_K_BLOCKS = (4096, 2048, 1024, 512, 256, 128, 64, 32, 16)
+_PROBE_ROWS = 8
+_PROBE_COLS = 4096
+
+
+class GreedyScreen:
+    """The bfloat16 screen of one float32 CPU LM head [vocab, hidden]; see the module docstring."""
+
+    def __init__(self, weight: torch.Tensor, packed_bf16: torch.Tensor, k_block: int, lib: ctypes.CDLL):
+        self.weight = weight  # float32 [V, K], contiguous: the candidates' logits are computed from it
+        self.packed = packed_bf16
+        self.k_block = k_block
+        self._lib = lib
+        self.vocab, self.hidden = weight.shape
+        self.w_max = float(torch.linalg.vector_norm(weight.double(), dim=1).max())
+        self.c_rel = bound_constant(self.hidden)
+        self.abs_term = self.hidden * 2.0**-126
+        self.last_candidates = 0  # candidates computed in float32 by the last call (stats, tests)
+
+    @classmethod
+    def build(cls, weight: torch.Tensor, packed_f32: torch.Tensor | None) -> GreedyScreen | None:
+        """The screen of the head `weight` whose full float32 GEMM runs on `packed_f32` (cpu_gemm),
+        or None where it does not apply (see the module docstring)."""
+        if (_switched_off() or packed_f32 is None or weight.device.type != "cpu" or weight.dtype != torch.float32
+                or weight.dim() != 2 or not bf16_gemm_supported()):
+            return None
+        lib = _load()
+        if lib is None:
+            return None
+        with torch.inference_mode():
+            weight = weight.detach().contiguous()
+            if not bool(torch.isfinite(weight).all()):
+                return None
+            k_block = _find_k_block(lib, weight, packed_f32)
+            if k_block is None:
+                log.info("greedy screen off: no K blocking reproduces this LM head's float32 logits")
+                return None
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight.to(torch.bfloat16), cpu_gemm.PACK_ROWS_HINT)
+        return cls(weight, packed, k_block, lib)
+
+    def greedy_ids(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """int64 [N]: the argmax of hidden [N, K] @ weight.T that the full float32 head gives; None when
+        a row is not finite (the caller takes the full head)."""
+        hidden = hidden.float().contiguous()
+        n = hidden.shape[0]
+        ids = torch.empty(n, dtype=torch.int64)
+        if n == 0:
+            return ids
+        screen = cpu_gemm.linear(hidden.to(torch.bfloat16), self.weight, None, self.packed).contiguous()
+        cand = torch.empty(n, dtype=torch.int64)
+        self._lib.greedy_from_screen(
+            screen.data_ptr(), screen.stride(0), hidden.data_ptr(), hidden.stride(0),
+            self.weight.data_ptr(), self.vocab, self.hidden, self.k_block, self.c_rel, self.w_max, self.abs_term,
+            n, ids.data_ptr(), cand.data_ptr(),
+        )
+        if bool((cand < 0).any()):
+            return None
+        self.last_candidates = int(cand.sum())
+        return ids
+
+
+def _find_k_block(lib: ctypes.CDLL, weight: torch.Tensor, packed_f32: torch.Tensor) -> int | None:
+    """The K block with which the C logit is the full head's bit for bit on probe rows (at two row
+    counts, since oneDNN could block differently by the batch), or None."""
+    vocab, k = weight.shape
+    gen = torch.Generator().manual_seed(0)
+    probe = torch.randn(_PROBE_ROWS, k, generator=gen)
+    cols = torch.randint(0, vocab, (_PROBE_COLS,), generator=gen)
+    rows = torch.arange(_PROBE_COLS) % _PROBE_ROWS
+    full = cpu_gemm.linear(probe, weight, None, packed_f32)
+    full_many = cpu_gemm.linear(probe.repeat(cpu_gemm.MAX_ROWS // _PROBE_ROWS, 1), weight, None, packed_f32)
+    if not torch.equal(full, full_many[:_PROBE_ROWS]):
+        return None
+    want = full[rows, cols].contiguous()
+    got = torch.empty(_PROBE_COLS)
+    for kb in (k, *(b for b in _K_BLOCKS if b < k)):
+        lib.logits_at(probe.data_ptr(), probe.stride(0), weight.data_ptr(), k, kb, rows.data_ptr(),
+                      cols.data_ptr(), _PROBE_COLS, got.data_ptr())
+        if torch.equal(got, want):
+            return kb
+    return None
