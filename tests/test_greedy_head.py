@@ -102,8 +102,21 @@ def test_rows_that_are_not_finite_go_to_the_full_head():
         assert screen.greedy_ids(x) is None
     x[1, 5] = 1e30  # large, but no sum can overflow: screened as any other row
     assert torch.equal(screen.greedy_ids(x), _full_argmax(x, weight, packed))
-    assert screen.greedy_ids(torch.zeros(2, 64)) is not None  # all logits 0: a tie, id 0
-    assert screen.greedy_ids(torch.zeros(2, 64)).tolist() == [0, 0]
+
+
+def test_a_screen_that_cannot_narrow_sends_rows_to_the_full_head_and_then_turns_itself_off():
+    weight = _head(512, 64)
+    packed = cpu_gemm.pack(weight)
+    screen = greedy_head.GreedyScreen.build(weight, packed)
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(9))
+    assert screen.greedy_ids(x) is not None
+    # A zero hidden state: every logit is 0, all 512 are candidates (more than MAX_CANDIDATES).
+    loose = torch.cat([x[:2], torch.zeros(1, 64)])
+    for _ in range(greedy_head._JUDGE_AFTER - 2):
+        assert screen.greedy_ids(loose) is None
+    assert screen.enabled  # 15 calls so far: not judged yet
+    assert screen.greedy_ids(loose) is None
+    assert not screen.enabled and screen.greedy_ids(x) is None  # 15 of 16 fell back: off for good
 
 
 def test_switched_off_or_without_onednn_there_is_no_screen(monkeypatch):

@@ -22,7 +22,9 @@ How, for one row with hidden state h (float32) and LM-head rows w_j:
    fused multiply-add per k, in order), so each is the full head's logit bit for bit (tested), and the
    row's token is their argmax, the lowest id on ties, as torch.argmax.
 
-A row whose hidden state or screen is not finite goes to the full head. Only plain greedy rows come
+A row whose hidden state or screen is not finite, or that keeps more than MAX_CANDIDATES candidates,
+sends its step to the full head; a screen that does so in more than a quarter of its first steps (a
+trained head whose bound is too loose to narrow it) turns itself off. Only plain greedy rows come
 here (no logprobs, penalties, masks or min_tokens: the caller checks); they need the argmax only.
 Off with TOKENMILL_GREEDY_SCREEN=0, and wherever oneDNN has no bfloat16 GEMM or the C kernel cannot
 be built: then every row takes the full head.
@@ -106,10 +108,11 @@ void logits_at(const float *hidden, int64_t h_stride, const float *weight, int64
 /* Row r: screen[r] holds V bfloat16 logits within eps_r of the float32 ones (eps_r from the row's
    norm, computed here in double). ids[r] = the argmax of the float32 logits of the candidates
    (screen >= max - 2 eps_r), lowest id on ties; cand[r] = their number, or -1 when the row's hidden
-   state or screen is not finite (the caller then takes the full head for it). */
+   state or screen is not finite or it has more than max_cand candidates (the caller then takes the
+   full head for it). */
 void greedy_from_screen(const uint16_t *screen, int64_t screen_stride, const float *hidden, int64_t h_stride,
                         const float *weight, int64_t V, int64_t K, int64_t kb, double c_rel, double w_max, double abs_term,
-                        int64_t n, int64_t *ids, int64_t *cand)
+                        int64_t max_cand, int64_t n, int64_t *ids, int64_t *cand)
 {
     #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < n; ++r) {
@@ -131,6 +134,7 @@ void greedy_from_screen(const uint16_t *screen, int64_t screen_stride, const flo
         const __m512 thr_v = _mm512_set1_ps(thr);
         for (; j + 16 <= V; j += 16) {
             __mmask16 hit = _mm512_cmp_ps_mask(bf16x16(s + j), thr_v, _CMP_GE_OQ);
+            if (count > max_cand) break;
             while (hit) {
                 const int64_t c = j + __builtin_ctz(hit);
                 hit &= hit - 1;
@@ -140,12 +144,13 @@ void greedy_from_screen(const uint16_t *screen, int64_t screen_stride, const flo
             }
         }
 #endif
-        for (; j < V; ++j) {
+        for (; j < V && count <= max_cand; ++j) {
             if (!(bf16_to_f32(s[j]) >= thr)) continue;
             const float v = logit_f32(h, weight + j * K, K, kb);
             ++count;
             if (best_id < 0 || v > best) { best = v; best_id = j; }
         }
+        if (count > max_cand) { ids[r] = -1; cand[r] = -1; continue; } /* a loose screen: the full head is cheaper */
         ids[r] = best_id;
         cand[r] = count;
     }
@@ -169,7 +174,7 @@ def _load() -> ctypes.CDLL | None:
             lib = build_library("greedy_screen", _SOURCE, "greedy LM-head screen")
             if lib is not None:
                 i64, ptr, f64 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_double
-                lib.greedy_from_screen.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, f64, f64, f64, i64, ptr, ptr]
+                lib.greedy_from_screen.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, f64, f64, f64, i64, i64, ptr, ptr]
                 lib.greedy_from_screen.restype = None
                 lib.logits_at.argtypes = [ptr, i64, ptr, i64, i64, ptr, ptr, i64, ptr]
                 lib.logits_at.restype = None
@@ -198,6 +203,14 @@ _K_BLOCKS = (4096, 2048, 1024, 512, 256, 128, 64, 32, 16)
 _PROBE_ROWS = 8
 _PROBE_COLS = 4096
 
+# A row with more candidates than this goes to the full head: their float32 logits would cost more
+# than the screen saves. Random-weight heads give 5-12 per row; a trained head whose logits crowd
+# near the maximum, or whose weight rows differ much in norm (SmolLM2: 1.8 to 7.5), gives hundreds.
+MAX_CANDIDATES = 64
+# After this many calls, a screen that sent more than a quarter of them to the full head turns
+# itself off for good (each such call paid the bfloat16 GEMM for nothing).
+_JUDGE_AFTER = 16
+
 
 class GreedyScreen:
     """The bfloat16 screen of one float32 CPU LM head [vocab, hidden]; see the module docstring."""
@@ -212,6 +225,9 @@ class GreedyScreen:
         self.c_rel = bound_constant(self.hidden)
         self.abs_term = self.hidden * 2.0**-126
         self.last_candidates = 0  # candidates computed in float32 by the last call (stats, tests)
+        self.calls = 0
+        self.fallbacks = 0  # calls that sent their rows to the full head
+        self.enabled = True
 
     @classmethod
     def build(cls, weight: torch.Tensor, packed_f32: torch.Tensor | None) -> GreedyScreen | None:
@@ -237,6 +253,8 @@ class GreedyScreen:
     def greedy_ids(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """int64 [N]: the argmax of hidden [N, K] @ weight.T that the full float32 head gives; None when
         a row is not finite (the caller takes the full head)."""
+        if not self.enabled:
+            return None
         hidden = hidden.float().contiguous()
         n = hidden.shape[0]
         ids = torch.empty(n, dtype=torch.int64)
@@ -247,9 +265,15 @@ class GreedyScreen:
         self._lib.greedy_from_screen(
             screen.data_ptr(), screen.stride(0), hidden.data_ptr(), hidden.stride(0),
             self.weight.data_ptr(), self.vocab, self.hidden, self.k_block, self.c_rel, self.w_max, self.abs_term,
-            n, ids.data_ptr(), cand.data_ptr(),
+            MAX_CANDIDATES, n, ids.data_ptr(), cand.data_ptr(),
         )
+        self.calls += 1
         if bool((cand < 0).any()):
+            self.fallbacks += 1
+            if self.calls >= _JUDGE_AFTER and 4 * self.fallbacks > self.calls:
+                self.enabled = False
+                log.info("greedy screen off for this LM head: %d of %d steps had rows it could not narrow",
+                         self.fallbacks, self.calls)
             return None
         self.last_candidates = int(cand.sum())
         return ids
