@@ -18,9 +18,10 @@ How, for one row with hidden state h (float32) and LM-head rows w_j:
    (an upper bound of the terms above), plus K 2^-126 (|h| + max |w| + 1) for the denormals that the
    bfloat16 instructions flush to zero.
 3. Every j whose logit can be the maximum has screen_j >= max(screen) - 2 eps. Those candidates, a few
-   per row, get their float32 logit computed in C the way oneDNN's float32 kernel computes it (one
-   fused multiply-add per k, in order), so each is the full head's logit bit for bit (tested), and the
-   row's token is their argmax, the lowest id on ties, as torch.argmax.
+   per row, get their float32 logit computed in C the way oneDNN's float32 kernel computes it (fused
+   multiply-adds in order within each of its K blocks, the block found at load), so each is the full
+   head's logit bit for bit (tested), and the row's token is their argmax, the lowest id on ties, as
+   torch.argmax.
 
 A row whose hidden state or screen is not finite, or that keeps more than MAX_CANDIDATES candidates,
 sends its step to the full head; a screen that does so in more than a quarter of its first steps (a
