@@ -247,7 +247,8 @@ def test_without_openmp_the_pthread_build_is_used(tmp_path, monkeypatch):
 
     monkeypatch.setattr(c_build, "OPENMP_FLAGS", ["-fno-such-flag-for-this-test"])
     monkeypatch.setenv("TOKENMILL_CACHE", str(tmp_path))
-    lib = cpu_decode_kernel._build()
+    fresh = c_build.OnDemandLibrary("paged_decode", cpu_decode_kernel._SOURCE, "test build", cpu_decode_kernel._declare)
+    lib = fresh.get()
     assert lib is not None and str(tmp_path) in lib._name
     out = subprocess.run(["nm", "-D", "--undefined-only", lib._name], capture_output=True, text=True, check=True)
     names = {line.split()[-1].split("@")[0] for line in out.stdout.splitlines()}

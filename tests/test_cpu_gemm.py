@@ -1,6 +1,8 @@
-"""The CPU LM head on oneDNN's packed weight: close to F.linear, a row's bits independent of the row
-count and the thread count (F.linear's are not), and only a few GEMM shapes ever built."""
+"""CPU GEMMs on oneDNN's packed weight: close to F.linear, a row's bits independent of the row count
+and the thread count (F.linear's are not), and only a few GEMM shapes ever built; the LM head always,
+the layers' projections from hidden size 512."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -75,6 +77,8 @@ def test_only_float32_cpu_weights_are_packed(monkeypatch):
 
 def test_a_loaded_model_packs_its_lm_head_and_keeps_the_layers_on_f_linear(tiny_model_dir):
     model, _ = load_model(tiny_model_dir, attention_backend=TorchAttentionBackend())
+    assert model.config.hidden_size < cpu_gemm.LAYERS_MIN_HIDDEN
+    assert all(layer._packed is None for layer in model.layers)
     cached = getattr(model, "_lm_head_oned", None)
     assert cached is not None and cached[1] is not None  # packed at load, not in the first step
     hidden = torch.randn(9, model.config.hidden_size)
@@ -90,3 +94,75 @@ def test_switched_off_the_lm_head_is_f_linear_bit_for_bit(tiny_model_dir, monkey
     model, _ = load_model(tiny_model_dir, attention_backend=TorchAttentionBackend())
     hidden = torch.randn(9, model.config.hidden_size)
     assert torch.equal(model.compute_logits(hidden), F.linear(hidden, model.lm_head))
+
+
+def test_a_packed_weight_is_packed_again_after_an_in_place_write():
+    weight, bias = _weights(64, 48)
+    packed = cpu_gemm.PackedWeight(weight)
+    x = torch.randn(5, 48)
+    torch.testing.assert_close(packed.linear(x, bias), F.linear(x, weight, bias), atol=1e-5, rtol=1e-5)
+    first = packed.packed()
+    assert packed.packed() is first  # no repack while the weight is unchanged
+    with torch.no_grad():
+        weight.mul_(-3)
+    torch.testing.assert_close(packed.linear(x, bias), F.linear(x, weight, bias), atol=1e-4, rtol=1e-5)
+
+
+def test_the_layers_choice_follows_the_hidden_size_and_the_switch(monkeypatch):
+    monkeypatch.delenv(cpu_gemm.LAYERS_ENV, raising=False)
+    assert not cpu_gemm.layers_on_onednn(256)
+    assert cpu_gemm.layers_on_onednn(cpu_gemm.LAYERS_MIN_HIDDEN) == cpu_gemm.available()
+    monkeypatch.setenv(cpu_gemm.LAYERS_ENV, "1")
+    assert cpu_gemm.layers_on_onednn(64) == cpu_gemm.available()
+    monkeypatch.setenv(cpu_gemm.LAYERS_ENV, "0")
+    assert not cpu_gemm.layers_on_onednn(4096)
+    monkeypatch.setenv(cpu_gemm.LAYERS_ENV, "maybe")
+    with pytest.raises(ValueError, match="TOKENMILL_ONEDNN_LAYERS"):
+        cpu_gemm.layers_on_onednn(4096)
+    monkeypatch.setenv(cpu_gemm.LAYERS_ENV, "1")
+    monkeypatch.setenv(cpu_gemm.DISABLE_ENV, "0")  # oneDNN off altogether wins
+    assert not cpu_gemm.layers_on_onednn(4096)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def wide_model_dir(request, tmp_path_factory):
+    """hidden 512: the smallest width whose projections run on oneDNN (qwen2 adds q/k/v biases)."""
+    from tools.tiny_models import build_tiny_model
+
+    return build_tiny_model(
+        tmp_path_factory.mktemp(f"wide-{request.param}"), request.param, seed=3, vocab_size=2048,
+        hidden_size=512, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+    )
+
+
+@pytest.mark.skipif(not cpu_gemm.available(), reason="torch without oneDNN")
+def test_a_wide_model_runs_its_projections_on_onednn_and_keeps_transformers_greedy_path(wide_model_dir, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    from worker.engine import Engine, EngineConfig, EngineRequest, SamplingParams
+
+    monkeypatch.delenv(cpu_gemm.LAYERS_ENV, raising=False)
+    model, _ = load_model(wide_model_dir, attention_backend=TorchAttentionBackend())
+    assert all(layer._packed is not None for layer in model.layers)
+    layer = model.layers[0]
+    x = torch.randn(37, 512, generator=torch.Generator().manual_seed(4))
+    torch.testing.assert_close(layer._linear(x, "qkv_weight", layer.qkv_bias),
+                               F.linear(x, layer.qkv_weight, layer.qkv_bias), atol=1e-5, rtol=1e-5)
+
+    monkeypatch.setenv(cpu_gemm.LAYERS_ENV, "0")
+    unpacked, _ = load_model(wide_model_dir, attention_backend=TorchAttentionBackend())
+    assert all(layer._packed is None for layer in unpacked.layers)
+    monkeypatch.delenv(cpu_gemm.LAYERS_ENV)
+
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 2048, (n,), generator=g).tolist() for n in (1, 9, 17, 40)]
+    hf = AutoModelForCausalLM.from_pretrained(str(wide_model_dir), dtype=torch.float32).eval()
+    with torch.inference_mode():
+        want = [hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long), max_new_tokens=12,
+                            do_sample=False, pad_token_id=0, eos_token_id=None)[0, len(p):].tolist() for p in prompts]
+    engine = Engine(EngineConfig(model=str(wide_model_dir), dtype="float32", kv_cache_gb=0.05))
+    assert all(layer._packed is not None for layer in engine.runner.model.layers)
+    res = engine.generate([EngineRequest(request_id=f"w{i}", prompt_token_ids=p,
+                                         sampling=SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+                           for i, p in enumerate(prompts)])
+    assert [list(res[f"w{i}"].output_token_ids) for i in range(len(prompts))] == want

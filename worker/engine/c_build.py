@@ -21,6 +21,8 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -85,3 +87,26 @@ def build_library(name: str, source: str, what: str) -> ctypes.CDLL | None:
     except (OSError, subprocess.SubprocessError) as exc:
         log.warning("%s unavailable (%s); using plain torch", what, exc)
         return None
+
+
+class OnDemandLibrary:
+    """A C library built and loaded on first use, once per process, whichever thread asks first.
+
+    declare(lib) sets the functions' ctypes signatures. get() is None where the library cannot be
+    built (no compiler, a failed build): the caller keeps its torch path."""
+
+    def __init__(self, name: str, source: str, what: str, declare: Callable[[ctypes.CDLL], None]):
+        self._name, self._source, self._what, self._declare = name, source, what, declare
+        self._lock = threading.Lock()
+        self._lib: ctypes.CDLL | None = None
+        self._tried = False
+
+    def get(self) -> ctypes.CDLL | None:
+        with self._lock:
+            if not self._tried:
+                self._tried = True
+                lib = build_library(self._name, self._source, self._what)
+                if lib is not None:
+                    self._declare(lib)
+                self._lib = lib
+            return self._lib

@@ -1,4 +1,5 @@
-"""The LM head on the CPU (float32) through oneDNN, with the weight packed once at load.
+"""float32 CPU GEMMs through oneDNN, with the weight packed once at load: the LM head always, the
+layers' projections where oneDNN is the faster of the two (models with hidden_size >= 512).
 
 Why: the LM head is the largest GEMM of a decode step, and at decode sizes (tens of rows) torch's
 default GEMM (MKL through F.linear) neither reaches the core's speed nor splits over threads:
@@ -6,12 +7,14 @@ tiny-llama's [122 x 256] x [256 x 32000] takes 29.3 ms on one thread; oneDNN's m
 reordered once into its blocked layout takes 19.4 (SmolLM2's [33 x 576] x [576 x 49152]: 38 -> 20.6
 ms on one thread, 29 -> 12.6 on two). vLLM's CPU backend takes the same road for all its GEMMs.
 
-Why the layers' projections stay on F.linear: there oneDNN gained nothing once padded to a few
-shapes (below; the whole `mixed` run on one thread: 1,478 tok/s with them on oneDNN, 1,576 with the
-LM head alone), and MKL's GEMMs give the same bits as transformers' own F.linear over a prompt, so the
-hidden states stay the reference's. With every GEMM on oneDNN one of 256 `mixed` sequences left
-transformers' greedy path at a logit tie of 2e-7 (1.2332990 against 1.2332988); with the LM head
-alone, all 256 are identical.
+The layers' projections, by shape. At tiny-llama's (hidden 256, intermediate 688) oneDNN gained
+nothing once padded to a few row counts (the whole `mixed` run on one thread: 1,478 tok/s with them
+on oneDNN, 1,576 with the LM head alone; 0.92-1.18x per GEMM, slower at 2 threads from 700 rows),
+and one of 256 `mixed` sequences left transformers' greedy path at a logit tie of 2e-7 (1.2332990
+against 1.2332988); so small models keep MKL's F.linear, the same bits as transformers' own. At
+SmolLM2's (hidden 576, intermediate 1536) oneDNN, padded, is 1.09-1.25x MKL on one thread and
+1.06-1.32x on two at 37-2,048 rows, and the layers' GEMMs are two thirds of its step: from a hidden
+size of 512 (LAYERS_MIN_HIDDEN) the projections go to oneDNN too. This is also vLLM's CPU path.
 
 A row's logits are the same bits at any row count and any thread count (MKL's F.linear changes its
 summation order with the row count), and within float32 rounding of F.linear (tests/test_cpu_gemm.py).
@@ -22,21 +25,26 @@ worker with every GEMM on oneDNN, unpadded, grew by 40%. So a GEMM runs at one o
 padded to the next of them (the padding rows, computed and dropped, are at most 3 rows or an
 eighth), more rows go in pieces of 256. About 21 MB at most, and then no growth.
 
-Off with TOKENMILL_ONEDNN_LINEAR=0 (then the LM head's MKL path), or where torch has no oneDNN.
+Off with TOKENMILL_ONEDNN_LINEAR=0 (then the LM head's MKL path and F.linear everywhere), or where
+torch has no oneDNN. TOKENMILL_ONEDNN_LAYERS=0 or 1 forces the layers' choice either way.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 
 import torch
 import torch.nn.functional as F
 
+from worker.engine.switches import switch
+
 log = logging.getLogger(__name__)
 
 DISABLE_ENV = "TOKENMILL_ONEDNN_LINEAR"  # "0": the LM head stays on MKL
+LAYERS_ENV = "TOKENMILL_ONEDNN_LAYERS"  # "0" / "1": the layers' projections on MKL / oneDNN at any size
+# The smallest hidden size whose layer projections run on oneDNN (see the module docstring).
+LAYERS_MIN_HIDDEN = 512
 
 # The row count oneDNN picks the packed layout for. It is a layout choice, not a limit: any row
 # count runs on it and gives the same bits (the hint only changes speed). 256 was as fast as the
@@ -49,7 +57,7 @@ _available: bool | None = None
 
 
 def _switched_off() -> bool:
-    return os.environ.get(DISABLE_ENV, "1").strip().lower() in ("0", "false", "no", "off")
+    return switch(DISABLE_ENV) is False
 
 
 def _self_check() -> bool:
@@ -86,6 +94,33 @@ def pack(weight: torch.Tensor) -> torch.Tensor | None:
         return None
     with torch.inference_mode():
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_ROWS_HINT)
+
+
+def layers_on_onednn(hidden_size: int) -> bool:
+    """Whether a float32 CPU model of this hidden size runs its layers' projections on oneDNN."""
+    forced = switch(LAYERS_ENV)
+    wanted = hidden_size >= LAYERS_MIN_HIDDEN if forced is None else forced
+    return wanted and available()
+
+
+class PackedWeight:
+    """A float32 CPU weight and its oneDNN copy, repacked when the weight is written in place (a reload)."""
+
+    __slots__ = ("weight", "_key", "_packed")
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight = weight
+        self._key: tuple[int, int] | None = None
+        self._packed: torch.Tensor | None = None
+
+    def packed(self) -> torch.Tensor | None:
+        key = (self.weight.data_ptr(), self.weight._version)
+        if key != self._key:
+            self._packed, self._key = pack(self.weight), key
+        return self._packed
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return linear(x, self.weight, bias, self.packed())
 
 
 def _matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

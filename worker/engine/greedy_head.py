@@ -35,13 +35,12 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
-import threading
 
 import torch
 
 from worker.engine import cpu_gemm
-from worker.engine.c_build import build_library
+from worker.engine.c_build import OnDemandLibrary
+from worker.engine.switches import switch
 
 log = logging.getLogger(__name__)
 
@@ -158,29 +157,24 @@ void greedy_from_screen(const uint16_t *screen, int64_t screen_stride, const flo
 }
 """
 
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_tried = False
-
 
 def _switched_off() -> bool:
-    return os.environ.get(DISABLE_ENV, "1").strip().lower() in ("0", "false", "no", "off")
+    return switch(DISABLE_ENV) is False
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    i64, ptr, f64 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_double
+    lib.greedy_from_screen.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, f64, f64, f64, i64, i64, ptr, ptr]
+    lib.greedy_from_screen.restype = None
+    lib.logits_at.argtypes = [ptr, i64, ptr, i64, i64, ptr, ptr, i64, ptr]
+    lib.logits_at.restype = None
+
+
+_library = OnDemandLibrary("greedy_screen", _SOURCE, "greedy LM-head screen", _declare)
 
 
 def _load() -> ctypes.CDLL | None:
-    global _lib, _tried
-    with _lock:
-        if not _tried:
-            _tried = True
-            lib = build_library("greedy_screen", _SOURCE, "greedy LM-head screen")
-            if lib is not None:
-                i64, ptr, f64 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_double
-                lib.greedy_from_screen.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, f64, f64, f64, i64, i64, ptr, ptr]
-                lib.greedy_from_screen.restype = None
-                lib.logits_at.argtypes = [ptr, i64, ptr, i64, i64, ptr, ptr, i64, ptr]
-                lib.logits_at.restype = None
-            _lib = lib
-        return _lib
+    return _library.get()
 
 
 def bf16_gemm_supported() -> bool:

@@ -103,5 +103,5 @@ def load_model(
         with safe_open(str(file), framework="pt", device="cpu") as f:
             model.load_weights((n, f.get_tensor(n)) for n in f.keys() if n in wanted and where[n] == file)
     model.eval()
-    model.pack_lm_head()  # float32 on the CPU: the LM head runs on oneDNN (cpu_gemm.py)
+    model.pack_for_cpu()  # float32 on the CPU: oneDNN GEMMs, packed now (cpu_gemm.py)
     return model, cfg

@@ -19,12 +19,11 @@ with torch's workers, which spin on the other cores after each GEMM: 0.9x from 1
 from __future__ import annotations
 
 import ctypes
-import os
-import threading
 
 import torch
 
-from worker.engine.c_build import build_library
+from worker.engine.c_build import OnDemandLibrary
+from worker.engine.switches import switch
 
 DISABLE_ENV = "TOKENMILL_CPU_ATTENTION_KERNEL"  # "0" turns the kernel off (plain torch path)
 
@@ -333,32 +332,21 @@ int paged_decode_attention_f32(
 }
 """
 
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_tried = False
-
-
-def _build() -> ctypes.CDLL | None:
-    lib = build_library("paged_decode", _SOURCE, "CPU decode attention kernel")
-    if lib is None:
-        return None
+def _declare(lib: ctypes.CDLL) -> None:
     fn = lib.paged_decode_attention_f32
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_float, i64, i64]
     fn.restype = ctypes.c_int
-    return lib
+
+
+_library = OnDemandLibrary("paged_decode", _SOURCE, "CPU decode attention kernel", _declare)
 
 
 def load() -> ctypes.CDLL | None:
     """The compiled kernel library, built on first call; None when unavailable or disabled."""
-    global _lib, _tried
-    if os.environ.get(DISABLE_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+    if switch(DISABLE_ENV) is False:
         return None
-    with _lock:
-        if not _tried:
-            _tried = True
-            _lib = _build()
-        return _lib
+    return _library.get()
 
 
 def available() -> bool:

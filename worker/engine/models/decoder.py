@@ -49,6 +49,21 @@ class DecoderLayer(nn.Module):
         self.post_attention_norm = _param(h, dtype=dt, device=device)
         self.gate_up_weight = _param(2 * cfg.intermediate_size, h, dtype=dt, device=device)
         self.down_weight = _param(h, cfg.intermediate_size, dtype=dt, device=device)
+        # oneDNN copies of the projections, where pack_projections() chose them (cpu_gemm.py).
+        self._packed: dict[str, cpu_gemm.PackedWeight] | None = None
+
+    _PROJECTIONS = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
+
+    def pack_projections(self) -> None:
+        """Run the four projections on oneDNN from now on, each weight packed now, not in a step."""
+        self._packed = {name: cpu_gemm.PackedWeight(getattr(self, name)) for name in self._PROJECTIONS}
+        for weight in self._packed.values():
+            weight.packed()
+
+    def _linear(self, x: torch.Tensor, name: str, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self._packed is None:
+            return F.linear(x, getattr(self, name), bias)
+        return self._packed[name].linear(x, bias)
 
     def forward(
         self,
@@ -69,12 +84,12 @@ class DecoderLayer(nn.Module):
                 return x, x
             residual = residual.index_select(0, output_rows.index)
         x, residual = ops.add_rms_norm(x, residual, self.post_attention_norm, self.eps)
-        x = F.linear(ops.silu_and_mul(F.linear(x, self.gate_up_weight)), self.down_weight)
+        x = self._linear(ops.silu_and_mul(self._linear(x, "gate_up_weight")), "down_weight")
         return x, residual
 
     def _attention(self, x, rope, meta, kv_cache, backend, ops, output_rows=None) -> torch.Tensor:
         t = x.shape[0]
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        qkv = self._linear(x, "qkv_weight", self.qkv_bias)
         qk = qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
         if self.qk_norm is not None:
             qk = rms_norm(qk, self.qk_norm, self.eps)
@@ -89,7 +104,7 @@ class DecoderLayer(nn.Module):
             if t == 0:
                 return x.new_empty(0, x.shape[1])
         out = backend.attend(q, key_cache, value_cache, meta, self.scale)
-        return F.linear(out.reshape(t, self.q_size), self.o_weight, self.o_bias)
+        return self._linear(out.reshape(t, self.q_size), "o_weight", self.o_bias)
 
 
 class DecoderForCausalLM(nn.Module):
@@ -139,11 +154,16 @@ class DecoderForCausalLM(nn.Module):
             return hidden
         return self.ops.add_rms_norm(hidden, residual, self.norm, self.config.rms_norm_eps)[0]
 
-    def pack_lm_head(self) -> None:
+    def pack_for_cpu(self) -> None:
         """On a float32 CPU model, pack the LM head for oneDNN now (worker/engine/cpu_gemm.py) and build
-        its greedy screen (worker/engine/greedy_head.py), not in the first step."""
-        if self.lm_head.device.type == "cpu" and self.lm_head.dtype == torch.float32:
-            self._greedy_screen()
+        its greedy screen (worker/engine/greedy_head.py), not in the first step; from hidden size 512
+        the layers' projections go to oneDNN too (cpu_gemm.layers_on_onednn)."""
+        if self.lm_head.device.type != "cpu" or self.lm_head.dtype != torch.float32:
+            return
+        self._greedy_screen()
+        if cpu_gemm.layers_on_onednn(self.config.hidden_size):
+            for layer in self.layers:
+                layer.pack_projections()
 
     @torch.inference_mode()
     def greedy_ids(self, hidden: torch.Tensor) -> torch.Tensor | None:
