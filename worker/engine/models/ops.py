@@ -1,7 +1,8 @@
 """The per-token layer operations of the decoder, in two implementations with one interface.
 
 - TorchOps: plain torch with the reference's rounding points (the CPU path; exact parity with
-  transformers in float32).
+  transformers in float32). In float32 on the CPU the add + norm and the rotary run as one C pass
+  each with the same bits (worker/engine/cpu_elementwise.py).
 - TritonOps: the project's fused Triton kernels (kernels/): RMSNorm with the residual add fused,
   rotary in place on the fused QKV output, SiLU-and-mul in one pass. Used on CUDA, where each saved
   launch and memory round trip counts; on a CPU it only runs under the Triton interpreter (tests).
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from worker.engine import cpu_elementwise
 from worker.engine.layers import RotaryEmbedding, apply_rotary, rms_norm, silu_and_mul
 
 
@@ -36,13 +38,21 @@ class TorchOps:
         return RopeInputs(positions, cos, sin)
 
     def add_rms_norm(self, x, residual, weight, eps):
-        """(rms_norm(x + residual) * weight, x + residual); residual None means x alone."""
+        """(rms_norm(x + residual) * weight, x + residual); residual None means x alone.
+
+        float32 on the CPU: one C pass with the same bits (worker/engine/cpu_elementwise.py)."""
+        fused = cpu_elementwise.add_rms_norm(x, residual, weight, eps)
+        if fused is not None:
+            return fused
         residual = x if residual is None else x + residual
         return rms_norm(residual, weight, eps), residual
 
     def rotary_qk(self, rope: RopeInputs, q: torch.Tensor, k: torch.Tensor):
         """Rotated (q, k); inputs may be strided views, outputs are new contiguous tensors."""
         assert rope.cos is not None and rope.sin is not None  # set by rope_inputs
+        fused = cpu_elementwise.rotary_qk(q, k, rope.cos, rope.sin)
+        if fused is not None:
+            return fused
         return apply_rotary(q, rope.cos, rope.sin), apply_rotary(k, rope.cos, rope.sin)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,104 @@
+"""The CPU element-wise kernels give torch's bits: the add + RMSNorm (whose sum order is torch's,
+found per hidden size) and the rotary of q and k, at any row count and thread count."""
+
+import pytest
+import torch
+
+from worker.engine import cpu_elementwise
+from worker.engine.layers import apply_rotary, rms_norm
+
+pytestmark = pytest.mark.skipif(cpu_elementwise._lib() is None, reason="no C compiler")
+
+
+def _threads(n):
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    return before
+
+
+@pytest.mark.parametrize("hidden", [64, 256, 576, 896, 1000, 4096, 16384])  # 16384: torch's cascade sum
+@pytest.mark.parametrize("threads", [1, 2])
+def test_add_rms_norm_is_torchs_bit_for_bit(hidden, threads):
+    gen = torch.Generator().manual_seed(hidden)
+    before = _threads(threads)
+    try:
+        for rows in (1, 3, 128, 300):
+            wide = torch.randn(rows, hidden + 8, generator=gen) * 4
+            x = wide[:, 8:]  # a row-strided view, as the layers' outputs can be
+            res = torch.randn(rows, hidden, generator=gen)
+            weight = torch.randn(hidden, generator=gen)
+            normed, summed = cpu_elementwise.add_rms_norm(x, res, weight, 1e-5)
+            assert torch.equal(summed, x + res)
+            assert torch.equal(normed, rms_norm(x + res, weight, 1e-5)), rows
+            alone, same = cpu_elementwise.add_rms_norm(x, None, weight, 1e-6)
+            assert same is x and torch.equal(alone, rms_norm(x, weight, 1e-6))
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_sum_order_is_found_not_assumed():
+    """The other lane count gives other bits on the probe's rows: the check at first use is what
+    keeps a build whose vector width differs on the torch ops."""
+    lib = cpu_elementwise._lib()
+    lanes = cpu_elementwise._lanes(lib, 576)
+    assert lanes in (8, 16)
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(256, 576, generator=gen) * torch.logspace(-3, 3, 256).unsqueeze(1)
+    weight = torch.randn(576, generator=gen)
+    want = rms_norm(x, weight, 1e-6)
+    assert torch.equal(cpu_elementwise._call_norm(lib, x, None, weight, 1e-6, lanes)[0], want)
+    other = 8 if lanes == 16 else 16
+    assert not torch.equal(cpu_elementwise._call_norm(lib, x, None, weight, 1e-6, other)[0], want)
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 2, 64), (9, 3, 64), (16, 8, 128), (2, 2, 6)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_rotary_is_torchs_bit_for_bit_on_the_fused_qkv_views(heads, kv_heads, head_dim, threads):
+    gen = torch.Generator().manual_seed(heads * head_dim)
+    before = _threads(threads)
+    try:
+        for rows in (1, 5, 128, 700):
+            qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim, generator=gen) * 10
+            qk = qkv[:, : (heads + kv_heads) * head_dim].view(rows, heads + kv_heads, head_dim)
+            q, k = qk[:, :heads], qk[:, heads:]
+            cos = torch.randn(rows, 1, head_dim // 2, generator=gen)
+            sin = torch.randn(rows, 1, head_dim // 2, generator=gen)
+            got_q, got_k = cpu_elementwise.rotary_qk(q, k, cos, sin)
+            assert got_q.is_contiguous() and got_k.is_contiguous()
+            assert torch.equal(got_q, apply_rotary(q, cos, sin)) and torch.equal(got_k, apply_rotary(k, cos, sin))
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_what_the_kernels_do_not_take_is_left_to_torch(monkeypatch):
+    x, weight = torch.randn(4, 64), torch.randn(64)
+    assert cpu_elementwise.add_rms_norm(x.bfloat16(), None, weight.bfloat16(), 1e-5) is None
+    assert cpu_elementwise.add_rms_norm(x.t().contiguous().t(), None, weight, 1e-5) is None  # columns strided
+    assert cpu_elementwise.add_rms_norm(x, torch.randn(4, 32), weight, 1e-5) is None
+    q, cos = torch.randn(4, 2, 8), torch.randn(4, 1, 4)
+    assert cpu_elementwise.rotary_qk(q, q.transpose(1, 2).contiguous().transpose(1, 2), cos, cos) is None
+    assert cpu_elementwise.rotary_qk(q, q, cos[:, :, :2], cos[:, :, :2]) is None
+    monkeypatch.setenv(cpu_elementwise.DISABLE_ENV, "0")
+    assert cpu_elementwise.add_rms_norm(x, None, weight, 1e-5) is None
+    assert cpu_elementwise.rotary_qk(q, q, cos, cos) is None
+
+
+def test_engine_outputs_are_the_same_with_the_kernels_off(tiny_qwen3_dir, monkeypatch):
+    """Qwen3 also normalises q and k per head before the rotary: the whole layer path end to end."""
+    from worker.engine import Engine, EngineConfig, EngineRequest, SamplingParams
+
+    gen = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(3, 2000, (n,), generator=gen).tolist() for n in (1, 17, 40, 90)]
+
+    def run():
+        engine = Engine(EngineConfig(model=str(tiny_qwen3_dir), dtype="float32", kv_cache_gb=0.02))
+        res = engine.generate([EngineRequest(request_id=f"e{i}", prompt_token_ids=p,
+                                             sampling=SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True,
+                                                                     logprobs=3))
+                               for i, p in enumerate(prompts)])
+        return [(list(res[f"e{i}"].output_token_ids), [lp.logprob for lp in res[f"e{i}"].output_logprobs])
+                for i in range(len(prompts))]
+
+    on = run()
+    monkeypatch.setenv(cpu_elementwise.DISABLE_ENV, "0")
+    assert run() == on
