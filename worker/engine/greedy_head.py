@@ -10,18 +10,23 @@ How, for one row with hidden state h (float32) and LM-head rows w_j:
 
 1. screen_j = h . w_j with h and w rounded to bfloat16, float32 accumulation, bfloat16 result (oneDNN,
    on a bfloat16 copy of the weight packed once at load).
-2. A bound that holds for every j: |screen_j - logit_j| <= eps, where logit_j is the float32 logit of
-   any summation order (the full head's included). Rounding h_k and w_jk to bfloat16 moves their
-   product by at most (2u + u^2)|h_k w_jk| (u = 2^-8), each float32 sum by gamma_K = K 2^-24 / (1 - K
-   2^-24) of the sum of magnitudes, and rounding the result to bfloat16 by u of it; the magnitudes sum
-   to at most |h| |w_j| (Cauchy-Schwarz), so eps = C_K |h| max_j |w_j| with C_K = 3u + 4u^2 + 3 gamma_K
-   (an upper bound of the terms above), plus K 2^-126 (|h| + max |w| + 1) for the denormals that the
-   bfloat16 instructions flush to zero.
-3. Every j whose logit can be the maximum has screen_j >= max(screen) - 2 eps. Those candidates, a few
-   per row, get their float32 logit computed in C the way oneDNN's float32 kernel computes it (fused
-   multiply-adds in order within each of its K blocks, the block found at load), so each is the full
-   head's logit bit for bit (tested), and the row's token is their argmax, the lowest id on ties, as
-   torch.argmax.
+2. A bound that holds for every j: |screen_j - logit_j| <= eps_j, where logit_j is the full float32
+   head's logit (any summation order). With h_b and w_b the bfloat16 roundings of h and w_j (u =
+   2^-8, gamma_K = K 2^-24 / (1 - K 2^-24), magnitudes summed by Cauchy-Schwarz):
+   - h_b . w_b - h . w = (h_b - h) . w_b + h . (w_b - w): at most |h - h_b| |w_b| + |h| |w_j - w_b|;
+   - the bfloat16 GEMM's float32 sum of the exact products h_b,k w_b,k: gamma_K |h_b| |w_b|;
+   - the full head's own float32 sum: gamma_K |h| |w_j|;
+   - the screen's rounding to bfloat16: u / (1 - u) |screen_j|;
+   - K 2^-126 (|h| + max |w| + 1) for the denormals that the bfloat16 instructions flush to zero.
+   The row's norms are computed per row, the columns' once at load, in float64: the actual rounding
+   residuals are about 0.4 u of each norm, and a head's rows differ in norm (SmolLM2's from 1.8 to
+   7.5), so this is some fifty times tighter than one C_K |h| max |w| for all.
+3. The best logit is at least screen_m - eps_m (m: the screen's own argmax), so every j whose logit
+   can be the maximum has screen_j + eps_j >= screen_m - eps_m. Those candidates, a few per row (4-6
+   on SmolLM2's trained head, median), get their float32 logit computed in C the way oneDNN's float32
+   kernel computes it (fused multiply-adds in order within each of its K blocks, the block found at
+   load), so each is the full head's logit bit for bit (tested), and the row's token is their argmax,
+   the lowest id on ties, as torch.argmax.
 
 A row whose hidden state or screen is not finite, or that keeps more than MAX_CANDIDATES candidates,
 sends its step to the full head; a screen that does so in more than a quarter of its first steps (a
@@ -105,39 +110,67 @@ void logits_at(const float *hidden, int64_t h_stride, const float *weight, int64
     for (int64_t i = 0; i < n; ++i) out[i] = logit_f32(hidden + rows[i] * h_stride, weight + cols[i] * K, K, kb);
 }
 
-/* Row r: screen[r] holds V bfloat16 logits within eps_r of the float32 ones (eps_r from the row's
-   norm, computed here in double). ids[r] = the argmax of the float32 logits of the candidates
-   (screen >= max - 2 eps_r), lowest id on ties; cand[r] = their number, or -1 when the row's hidden
-   state or screen is not finite or it has more than max_cand candidates (the caller then takes the
-   full head for it). */
+/* bfloat16 of x as torch rounds it (to nearest, ties to even), back as a float32; x finite. */
+static inline float round_bf16(float x) {
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    u = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* Row r: screen[r] holds V bfloat16 logits. For each column j the bound of the module docstring,
+       eps_j = A p[j] + B t[j] + D |screen_j| + E,
+   with A = |h - bf16(h)| + gamma |bf16(h)|, B = |h|, E = abs_term (|h| + w_max + 1) from the row
+   (computed here in double) and p[j] = |bf16(w_j)|, t[j] = |w_j - bf16(w_j)| + gamma |w_j| from the
+   column (at load, rounded up). ids[r] = the argmax of the float32 logits of the candidates, the
+   columns with screen_j + eps_j >= screen_m - eps_m (m: the screen's own argmax), lowest id on
+   ties; cand[r] = their number, or -1 when the row's hidden state or screen is not finite or it
+   has more than max_cand candidates (the caller then takes the full head for it). */
 void greedy_from_screen(const uint16_t *screen, int64_t screen_stride, const float *hidden, int64_t h_stride,
-                        const float *weight, int64_t V, int64_t K, int64_t kb, double c_rel, double w_max, double abs_term,
+                        const float *weight, int64_t V, int64_t K, int64_t kb, const float *p, const float *t,
+                        double p_max, double t_max, double gamma, double d_rel, double abs_term, double w_max,
                         int64_t max_cand, int64_t n, int64_t *ids, int64_t *cand)
 {
     #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < n; ++r) {
         const uint16_t *s = screen + r * screen_stride;
         const float *h = hidden + r * h_stride;
-        double sq = 0.0;
-        for (int64_t k = 0; k < K; ++k) sq += (double)h[k] * (double)h[k];
+        double sq = 0.0, sq_b = 0.0, sq_d = 0.0;
+        for (int64_t k = 0; k < K; ++k) {
+            sq += (double)h[k] * (double)h[k];
+            if (!isfinite(h[k])) { sq = INFINITY; break; }
+            const float hb = round_bf16(h[k]), dh = h[k] - hb; /* exact: hb is within a factor 2 of h */
+            sq_b += (double)hb * (double)hb;
+            sq_d += (double)dh * (double)dh;
+        }
         const double norm = sqrt(sq);
         const float m = row_max(s, V);
         /* |logit| <= norm * w_max: below 1e37 no sum can overflow, so no screen value is NaN */
         if (!(norm * w_max < 1e37) || !isfinite(m)) { ids[r] = -1; cand[r] = -1; continue; }
-        /* rounded down, so that no candidate is lost to the rounding of the threshold itself */
-        const double eps = (c_rel * norm * w_max) * (1.0 + 1e-9) + abs_term * (norm + w_max + 1.0);
-        const float thr = nextafterf((float)((double)m - 2.0 * eps), -INFINITY);
+        const double slack = 1.0 + 1e-9; /* the rounding of the norms and of eps itself */
+        const double A = (sqrt(sq_d) + gamma * sqrt(sq_b)) * slack, B = norm * slack;
+        const double E = abs_term * (norm + w_max + 1.0) * slack, D = d_rel * slack;
+        int64_t jm = 0;
+        while (bf16_to_f32(s[jm]) != m) ++jm;
+        const double eps_m = A * p[jm] + B * t[jm] + D * fabs((double)m) + E;
+        const double floor_t = (double)m - eps_m; /* the best logit is at least this */
+        /* Only a column with screen_j >= pre can reach floor_t (eps_j at most the largest column's). */
+        const double x = floor_t - (A * p_max + B * t_max + E);
+        const float pre = nextafterf((float)(x >= 0 ? x / (1.0 + D) : x / (1.0 - D)), -INFINITY);
         int64_t best_id = -1, count = 0;
         float best = -INFINITY;
         int64_t j = 0;
 #if defined(__AVX512F__)
-        const __m512 thr_v = _mm512_set1_ps(thr);
-        for (; j + 16 <= V; j += 16) {
-            __mmask16 hit = _mm512_cmp_ps_mask(bf16x16(s + j), thr_v, _CMP_GE_OQ);
-            if (count > max_cand) break;
+        const __m512 pre_v = _mm512_set1_ps(pre);
+        for (; j + 16 <= V && count <= max_cand; j += 16) {
+            __mmask16 hit = _mm512_cmp_ps_mask(bf16x16(s + j), pre_v, _CMP_GE_OQ);
             while (hit) {
                 const int64_t c = j + __builtin_ctz(hit);
                 hit &= hit - 1;
+                const double sc = (double)bf16_to_f32(s[c]);
+                if (sc + A * p[c] + B * t[c] + D * fabs(sc) + E < floor_t) continue;
                 const float v = logit_f32(h, weight + c * K, K, kb);
                 ++count;
                 if (best_id < 0 || v > best) { best = v; best_id = c; } /* ascending ids: ties keep the lowest */
@@ -145,7 +178,10 @@ void greedy_from_screen(const uint16_t *screen, int64_t screen_stride, const flo
         }
 #endif
         for (; j < V && count <= max_cand; ++j) {
-            if (!(bf16_to_f32(s[j]) >= thr)) continue;
+            const float sf = bf16_to_f32(s[j]);
+            if (!(sf >= pre)) continue;
+            const double sc = (double)sf;
+            if (sc + A * p[j] + B * t[j] + D * fabs(sc) + E < floor_t) continue;
             const float v = logit_f32(h, weight + j * K, K, kb);
             ++count;
             if (best_id < 0 || v > best) { best = v; best_id = j; }
@@ -164,7 +200,8 @@ def _switched_off() -> bool:
 
 def _declare(lib: ctypes.CDLL) -> None:
     i64, ptr, f64 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_double
-    lib.greedy_from_screen.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, f64, f64, f64, i64, i64, ptr, ptr]
+    lib.greedy_from_screen.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, ptr, ptr, f64, f64, f64, f64, f64, f64,
+                                       i64, i64, ptr, ptr]
     lib.greedy_from_screen.restype = None
     lib.logits_at.argtypes = [ptr, i64, ptr, i64, i64, ptr, ptr, i64, ptr]
     lib.logits_at.restype = None
@@ -185,11 +222,18 @@ def bf16_gemm_supported() -> bool:
         return False
 
 
-def bound_constant(k: int) -> float:
-    """C_K of the module docstring: |screen - logit| <= C_K |h| |w| for a dot product of length k."""
-    u = 2.0**-8
-    gamma = k * 2.0**-24 / (1.0 - k * 2.0**-24)
-    return 3 * u + 4 * u * u + 3 * gamma
+U_BF16 = 2.0**-8  # bfloat16's unit roundoff
+
+
+def gamma(k: int) -> float:
+    """gamma_K: a float32 sum of k terms, in any order, is within gamma_K of the sum of their magnitudes."""
+    return k * 2.0**-24 / (1.0 - k * 2.0**-24)
+
+
+def _rounded_up(x: torch.Tensor) -> torch.Tensor:
+    """float64 x as float32, rounded up (never below x)."""
+    f = x.float()
+    return torch.where(f.double() < x, torch.nextafter(f, torch.tensor(float("inf"))), f)
 
 
 # oneDNN's K blocks tried at load, largest first: its float32 kernel sums K in blocks (all of K=256,
@@ -216,8 +260,15 @@ class GreedyScreen:
         self.k_block = k_block
         self._lib = lib
         self.vocab, self.hidden = weight.shape
-        self.w_max = float(torch.linalg.vector_norm(weight.double(), dim=1).max())
-        self.c_rel = bound_constant(self.hidden)
+        # The columns' parts of the bound (module docstring), in float64, stored rounded up.
+        w64 = weight.double()
+        w_b = weight.to(torch.bfloat16).double()
+        norms = torch.linalg.vector_norm(w64, dim=1)
+        self.gamma = gamma(self.hidden)
+        self.col_bf16_norm = _rounded_up(torch.linalg.vector_norm(w_b, dim=1)).contiguous()
+        self.col_rest = _rounded_up(torch.linalg.vector_norm(w64 - w_b, dim=1) + self.gamma * norms).contiguous()
+        self.w_max = float(norms.max())
+        self.d_rel = U_BF16 / (1.0 - U_BF16)
         self.abs_term = self.hidden * 2.0**-126
         self.last_candidates = 0  # candidates computed in float32 by the last call (stats, tests)
         self.calls = 0
@@ -259,8 +310,9 @@ class GreedyScreen:
         cand = torch.empty(n, dtype=torch.int64)
         self._lib.greedy_from_screen(
             screen.data_ptr(), screen.stride(0), hidden.data_ptr(), hidden.stride(0),
-            self.weight.data_ptr(), self.vocab, self.hidden, self.k_block, self.c_rel, self.w_max, self.abs_term,
-            MAX_CANDIDATES, n, ids.data_ptr(), cand.data_ptr(),
+            self.weight.data_ptr(), self.vocab, self.hidden, self.k_block, self.col_bf16_norm.data_ptr(),
+            self.col_rest.data_ptr(), float(self.col_bf16_norm.max()), float(self.col_rest.max()), self.gamma,
+            self.d_rel, self.abs_term, self.w_max, MAX_CANDIDATES, n, ids.data_ptr(), cand.data_ptr(),
         )
         self.calls += 1
         if bool((cand < 0).any()):
@@ -272,6 +324,15 @@ class GreedyScreen:
             return None
         self.last_candidates = int(cand.sum())
         return ids
+
+    def bound(self, hidden: torch.Tensor, screen: torch.Tensor) -> torch.Tensor:
+        """float64 [N, V]: the eps_j of every row and column, as greedy_from_screen takes it (tests)."""
+        h = hidden.double()
+        h_b = hidden.to(torch.bfloat16).double()
+        norm = torch.linalg.vector_norm(h, dim=1, keepdim=True)
+        a = torch.linalg.vector_norm(h - h_b, dim=1, keepdim=True) + self.gamma * torch.linalg.vector_norm(h_b, dim=1, keepdim=True)
+        return (a * self.col_bf16_norm.double() + norm * self.col_rest.double() + self.d_rel * screen.double().abs()
+                + self.abs_term * (norm + self.w_max + 1.0))
 
 
 def _find_k_block(lib: ctypes.CDLL, weight: torch.Tensor, packed_f32: torch.Tensor) -> int | None:
