@@ -190,6 +190,8 @@ def _call_norm(lib, x, residual, weight, eps, lanes) -> tuple[torch.Tensor, torc
 
 def _lanes(lib, n: int) -> int | None:
     """The lane count that reproduces torch's rms_norm bits at hidden size n, found once per size."""
+    if n in _lanes_for_size:  # every call after the first: no lock on the step's path
+        return _lanes_for_size[n]
     with _lock:
         if n in _lanes_for_size:
             return _lanes_for_size[n]

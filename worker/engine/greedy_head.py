@@ -267,6 +267,8 @@ class GreedyScreen:
         self.gamma = gamma(self.hidden)
         self.col_bf16_norm = _rounded_up(torch.linalg.vector_norm(w_b, dim=1)).contiguous()
         self.col_rest = _rounded_up(torch.linalg.vector_norm(w64 - w_b, dim=1) + self.gamma * norms).contiguous()
+        self.col_bf16_norm_max = float(self.col_bf16_norm.max())
+        self.col_rest_max = float(self.col_rest.max())
         self.w_max = float(norms.max())
         self.d_rel = U_BF16 / (1.0 - U_BF16)
         self.abs_term = self.hidden * 2.0**-126
@@ -311,7 +313,7 @@ class GreedyScreen:
         self._lib.greedy_from_screen(
             screen.data_ptr(), screen.stride(0), hidden.data_ptr(), hidden.stride(0),
             self.weight.data_ptr(), self.vocab, self.hidden, self.k_block, self.col_bf16_norm.data_ptr(),
-            self.col_rest.data_ptr(), float(self.col_bf16_norm.max()), float(self.col_rest.max()), self.gamma,
+            self.col_rest.data_ptr(), self.col_bf16_norm_max, self.col_rest_max, self.gamma,
             self.d_rel, self.abs_term, self.w_max, MAX_CANDIDATES, n, ids.data_ptr(), cand.data_ptr(),
         )
         self.calls += 1
