@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from worker.engine import c_build
-from worker.engine.attention import AttentionMetadata, cpu_decode_kernel, get_attention_backend
+from worker.engine.attention import AttentionMetadata, cpu_decode_kernel, get_attention_backend, torch_backend
 from worker.engine.attention.torch_backend import TorchAttentionBackend, build_plan
 
 # Both decode paths: the C kernel (fp32 on CPU, built on first use) and plain torch.
@@ -117,13 +117,35 @@ def test_many_decode_rows_stay_exact(use_cpu_kernel):
     random.Random(3).shuffle(lens)
     case = random_case(11, lens, 4, 2, 16, 8)
     plan = build_plan(case["meta"], 8, num_kv_heads=2, use_kernel=use_cpu_kernel)
-    if use_cpu_kernel:
-        assert plan.kernel_decode.token_index.numel() == len(lens) - 2 and not plan.decode
+    if use_cpu_kernel:  # the two short prefill rows' 7 + 12 tokens are kernel rows too
+        assert plan.kernel_rows.token_index.numel() == len(lens) - 2 + 7 + 12 and not plan.decode
+        assert not plan.prefill
     else:  # the torch path cuts decode rows into buckets of similar length
-        assert len(plan.decode) >= 2 and plan.kernel_decode is None
+        assert len(plan.decode) >= 2 and plan.kernel_rows is None
         assert sum(b.token_index.numel() for b in plan.decode) == len(lens) - 2
-    assert [g.num_rows for g in plan.prefill] == [1, 1]
+        assert [g.num_rows for g in plan.prefill] == [1, 1]
     got = run_backend(case, 0.25, use_cpu_kernel)
+    want = reference_attention(case["query"], case["keys"], case["values"], case["rows"], 0.25)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_kernel_takes_short_prefill_rows_token_by_token_and_leaves_long_ones_to_sdpa(monkeypatch):
+    """With the kernel, a prefill row up to KERNEL_PREFILL_MAX_LEN tokens (context included) becomes
+    one kernel row per token, each seeing the keys up to its position; a longer row keeps SDPA. Both
+    kinds, with and without cached context, in one step, against the float64 reference."""
+    monkeypatch.setattr(torch_backend, "KERNEL_PREFILL_MAX_LEN", 24)
+    rows = [(9, 0), (1, 30), (5, 19), (30, 0), (6, 20), (1, 3), (24, 0)]  # lengths 9 20 24 stay short
+    case = random_case(31, rows, 6, 2, 16, 4)
+    plan = build_plan(case["meta"], 4, num_kv_heads=2, use_kernel=True)
+    assert sorted((g.q_len, g.seq_len) for g in plan.prefill) == [(6, 26), (30, 30)]
+    kr = plan.kernel_rows
+    assert kr.token_index.numel() == 2 + 9 + 5 + 24
+    starts = case["meta"].query_start_loc_cpu
+    lengths = {int(t): int(n) for t, n in zip(kr.token_index, kr.seq_lens, strict=True)}
+    assert [lengths[starts[2] + i] for i in range(5)] == [20, 21, 22, 23, 24]  # context 19, then causal
+    assert [lengths[starts[0] + i] for i in range(9)] == list(range(1, 10))
+    assert kr.max_len == 31
+    got = run_backend(case, 0.25, True)
     want = reference_attention(case["query"], case["keys"], case["values"], case["rows"], 0.25)
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
 

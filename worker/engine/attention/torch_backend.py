@@ -4,6 +4,13 @@ How one attend() call is organised (per layer; the plan behind it is built once 
 
 - Decode rows (one query token), float32 on the CPU: the C kernel of cpu_decode_kernel.py reads each
   row's K/V in place through its block table (no gather; about 2x faster than the torch path below).
+- Prefill rows of at most KERNEL_PREFILL_MAX_LEN tokens (context included), float32 on the CPU: each
+  query token goes to the same kernel as a row of its own that sees the keys up to its position. The
+  row's K/V (written just before) stay in the core's L2 while its tokens read them, and the kernel
+  splits all its rows over the threads by work. Measured against the SDPA path below (gather included),
+  SmolLM2's shapes (9 / 3 heads): 1.28x faster at 252 tokens on one thread, 1.41x on two; tiny-llama's
+  (4 / 2): 1.13x and 1.98x. From 1,024 tokens each token rereading the row's keys from L3 costs more
+  than SDPA's tiles (26.4 against 22.8 ms at 1,024 on SmolLM2's shapes), so longer rows keep SDPA.
 - Decode rows otherwise (no C compiler, 16-bit, other devices) are sorted by context length and cut
   into buckets whose lengths are close, so padding stays small. Per bucket, one index_select gathers
   the rows' keys head-major into a reused workspace ([rows * kv_heads, length, head_dim]), likewise the values; then one baddbmm (scale
@@ -60,9 +67,14 @@ class _PrefillGroup:
     mask: torch.Tensor | None  # bool [q_len, seq_len] when there is cached context; None = plain causal
 
 
+# The longest prefill row (context + new tokens) whose tokens go through the C kernel (see above).
+KERNEL_PREFILL_MAX_LEN = 512
+
+
 @dataclass
-class _KernelDecode:
-    """All decode rows of a step, for the C kernel (which needs no buckets: it reads blocks in place)."""
+class _KernelRows:
+    """The rows the C kernel attends, one query token each (it needs no buckets: it reads blocks in
+    place): every decode row, and each token of a short prefill row with the length up to it."""
 
     block_tables: torch.Tensor  # int32 [B, W] contiguous
     token_index: torch.Tensor  # int64 [n]
@@ -76,7 +88,7 @@ class _StepPlan:
     decode: list[_DecodeBucket]
     prefill: list[_PrefillGroup]
     all_tokens_decode_in_order: bool  # output can be written without an index_copy
-    kernel_decode: _KernelDecode | None = None  # set instead of `decode` when the C kernel runs
+    kernel_rows: _KernelRows | None = None  # set instead of `decode` when the C kernel runs
 
 
 class TorchAttentionBackend:
@@ -120,8 +132,8 @@ class TorchAttentionBackend:
             bucket = plan.decode[0]
             return self._decode(query, key_cache, value_cache, bucket, scale, rows_in_order=True)
         out = torch.empty_like(query)
-        if plan.kernel_decode is not None:
-            kd = plan.kernel_decode
+        if plan.kernel_rows is not None:
+            kd = plan.kernel_rows
             cpu_decode_kernel.paged_decode_attention(
                 query, key_cache, value_cache, kd.block_tables, kd.token_index, kd.table_row, kd.seq_lens,
                 kd.max_len, out, scale,
@@ -229,9 +241,20 @@ def build_plan(meta: AttentionMetadata, block_size: int, num_kv_heads: int = 1,
         else:
             prefill_rows.setdefault((q_len, seq_len), []).append(row)
 
+    # With the kernel, a short prefill row's tokens become kernel rows: pieces of (token index, table
+    # row, length), the decode rows first.
+    kernel_pieces = [(torch.tensor([starts[r] for r in decode_rows], dtype=torch.long),
+                      torch.tensor(decode_rows, dtype=torch.long),
+                      torch.tensor([seq_lens[r] for r in decode_rows], dtype=torch.int32))]
     prefill: list[_PrefillGroup] = []
     for (q_len, seq_len), rows in prefill_rows.items():
         context = seq_len - q_len
+        if use_kernel and seq_len <= KERNEL_PREFILL_MAX_LEN:
+            for r in rows:  # query token i sits at position context + i and sees keys 0 .. context + i
+                kernel_pieces.append((torch.arange(starts[r], starts[r] + q_len),
+                                      torch.full((q_len,), r, dtype=torch.long),
+                                      torch.arange(context + 1, seq_len + 1, dtype=torch.int32)))
+            continue
         mask = None
         if context:
             # Query token i sits at position context + i and sees keys 0 .. context + i.
@@ -250,14 +273,12 @@ def build_plan(meta: AttentionMetadata, block_size: int, num_kv_heads: int = 1,
         raise ValueError(f"block_tables hold ids outside [0, {num_blocks}) (the cache has {num_blocks} blocks)")
     if use_kernel:
         in_table = meta.block_tables.to("cpu", dtype=torch.int32).contiguous()
-        kernel = _KernelDecode(
-            block_tables=in_table,
-            token_index=torch.tensor([starts[r] for r in decode_rows], dtype=torch.long),
-            table_row=torch.tensor(decode_rows, dtype=torch.long),
-            seq_lens=torch.tensor([seq_lens[r] for r in decode_rows], dtype=torch.int32),
-            max_len=max((seq_lens[r] for r in decode_rows), default=1),
+        token_index, table_row, lengths = (torch.cat(parts) for parts in zip(*kernel_pieces, strict=True))
+        kernel = _KernelRows(
+            block_tables=in_table, token_index=token_index, table_row=table_row, seq_lens=lengths,
+            max_len=int(lengths.max()) if lengths.numel() else 1,
         )
-        return _StepPlan(decode=[], prefill=prefill, all_tokens_decode_in_order=False, kernel_decode=kernel)
+        return _StepPlan(decode=[], prefill=prefill, all_tokens_decode_in_order=False, kernel_rows=kernel)
 
     decode: list[_DecodeBucket] = []
     decode_rows.sort(key=lambda r: seq_lens[r])
