@@ -1,5 +1,8 @@
 """A small C kernel for decode attention on the CPU, read straight from the paged KV cache (fp32).
 
+Each row is one query token with the number of keys it sees; the torch backend also hands it the
+tokens of short prefill rows this way (attention/torch_backend.py, KERNEL_PREFILL_MAX_LEN).
+
 Why: in plain torch a decode step must first gather every row's K and V out of the paged cache (a full
 copy, per layer, per step) before a matmul can read them again; at 256 sequences this gather plus the
 small batched GEMMs was ~80% of a tiny model's forward. This kernel walks each row's block table and
@@ -63,8 +66,8 @@ static inline float dot_f32(const float *a, const float *b, int64_t D) {
    so the FMA units mostly wait. Here the d loop is outside the key loop: each q vector is loaded once
    and feeds 8 independent accumulators (one per key), and the 8 horizontal sums share one hadd tree.
    Not inlined: inside the row loop the eight key pointers did not fit the general registers, and the
-   compiler parked them in vector registers, moving each back before its load (SmolLM2's shapes, cache
-   resident: 4.9 -> 3.9 ms a step's layer on one thread). */
+   compiler parked them in vector registers, moving each back before its load (SmolLM2's shapes, K/V
+   resident in L2, one thread: 4.9 -> 3.9 ms). */
 __attribute__((noinline)) static void dot8_keys(const float *q, const float *k, int64_t k_stride, int64_t D, float scale, float *out) {
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
     for (int64_t d = 0; d < D; d += 8) {

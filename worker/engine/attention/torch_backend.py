@@ -132,7 +132,7 @@ class TorchAttentionBackend:
             bucket = plan.decode[0]
             return self._decode(query, key_cache, value_cache, bucket, scale, rows_in_order=True)
         out = torch.empty_like(query)
-        if plan.kernel_rows is not None:
+        if plan.kernel_rows is not None and plan.kernel_rows.token_index.numel():
             kd = plan.kernel_rows
             cpu_decode_kernel.paged_decode_attention(
                 query, key_cache, value_cache, kd.block_tables, kd.token_index, kd.table_row, kd.seq_lens,
@@ -245,7 +245,7 @@ def build_plan(meta: AttentionMetadata, block_size: int, num_kv_heads: int = 1,
     # row, length), the decode rows first.
     kernel_pieces = [(torch.tensor([starts[r] for r in decode_rows], dtype=torch.long),
                       torch.tensor(decode_rows, dtype=torch.long),
-                      torch.tensor([seq_lens[r] for r in decode_rows], dtype=torch.int32))]
+                      torch.tensor([seq_lens[r] for r in decode_rows], dtype=torch.int32))] if use_kernel else []
     prefill: list[_PrefillGroup] = []
     for (q_len, seq_len), rows in prefill_rows.items():
         context = seq_len - q_len
