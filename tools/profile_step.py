@@ -9,7 +9,8 @@ add up to the run's wall time. The parts:
 - step inputs      ModelRunner.prepare (ids, positions, slots, block tables, rows to sample)
 - GEMM             the layers' F.linear calls (qkv, o, gate_up, down)
 - LM head          compute_logits
-- decode attention (the C kernel or the torch path), prefill attention, KV write, attention, other
+- decode attention (the C kernel or the torch path), prefill attention (SDPA, and the C kernel's
+  share for short prefill rows, split from one call by keys read), KV write, attention, other
   (the per-step plan, output copies)
 - element-wise     norms, rotary, SiLU x mul
 - forward, other   the rest of the model's forward (embedding, index_select, Python per layer)
@@ -104,7 +105,6 @@ def _instrument(stack: ExitStack, timer: PartTimer) -> None:
         (TorchAttentionBackend, "attend", "attention, other"),
         (TorchAttentionBackend, "_decode", "decode attention"),
         (TorchAttentionBackend, "_prefill", "prefill attention"),
-        (cpu_decode_kernel, "paged_decode_attention", "decode attention"),
         (ops_module.TorchOps, "add_rms_norm", "element-wise"),
         (ops_module.TorchOps, "rotary_qk", "element-wise"),
         (ops_module.TorchOps, "silu_and_mul", "element-wise"),
@@ -115,9 +115,34 @@ def _instrument(stack: ExitStack, timer: PartTimer) -> None:
         (engine_module, "launch_sampling", "sampling"),
     ]:
         _patch(stack, owner, name, lambda fn, part=part: timer.wrap(part, fn))
+    _patch(stack, cpu_decode_kernel, "paged_decode_attention", lambda fn: _kernel_split(timer, fn))
     _patch(stack, F, "linear", lambda fn: timer.wrap(linear_part, fn))
     _patch(stack, cpu_gemm, "linear", lambda fn: timer.wrap(linear_part, fn))
     _patch(stack, decoder_module, "rms_norm", lambda fn: timer.wrap("element-wise", fn))  # Qwen3's q/k norm
+
+
+def _kernel_split(timer: PartTimer, fn: Callable) -> Callable:
+    """The C attention kernel timed as decode attention, then the share of its rows that are tokens of
+    a prefill row (rows sharing a block-table row; a decode row has one of its own), weighted by the
+    keys each reads, moved to prefill attention: one call does both."""
+    import torch
+
+    timed = timer.wrap("decode attention", fn)
+
+    def call(*args, **kwargs):
+        start = time.perf_counter()
+        result = timed(*args, **kwargs)
+        spent = time.perf_counter() - start
+        table_row, seq_lens = args[5], args[6].to(dtype=torch.float64)
+        if table_row.numel() and seq_lens.sum() > 0:
+            in_prefill = torch.bincount(table_row)[table_row] > 1
+            share = float(seq_lens[in_prefill].sum() / seq_lens.sum())
+            if share:
+                timer.seconds["decode attention"] -= spent * share
+                timer.seconds["prefill attention"] += spent * share
+                timer.calls["prefill attention"] += 1
+        return result
+    return call
 
 
 def profile_once(model: str, threads: int, num_requests: int, seed: int = 0) -> dict[str, Any]:
