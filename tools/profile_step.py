@@ -23,6 +23,11 @@ Run per thread count in a child process (torch's thread pool is fixed at its fir
 puts the thread counts side by side with the speed-up of each part: a part near 1.0x runs on one
 core only. The timers cost about a microsecond per call, so the timed run is a little slower than
 `tokenmill bench`; the untimed wall time of the same run is printed beside it.
+
+The timed and untimed runs take every step whole. From two threads the engine cuts a step's model
+body into parts that run side by side on threads of their own (worker/engine/cpu_step_parts.py),
+which per-part timers on one thread cannot follow: a third run, untimed, with the engine's parts,
+is printed below the table.
 """
 
 from __future__ import annotations
@@ -162,6 +167,10 @@ def profile_once(model: str, threads: int, num_requests: int, seed: int = 0) -> 
     engine = Engine(EngineConfig(model=str(model_dir), enable_prefix_caching=False, cpu_threads=threads))
     engine.generate(_engine_requests(warm_up_workload(), "warm"))
 
+    # The timers time one thread at a time: steps cut into parts (cpu_step_parts.py) would run the
+    # layers on two threads at once, so the timed and plain runs take whole steps, and a third run,
+    # untimed, the engine's own choice.
+    parts_pool, engine.runner.step_parts = engine.runner.step_parts, None
     timer = PartTimer()
     steps_before = engine.stats().steps
     with ExitStack() as stack:
@@ -175,12 +184,19 @@ def profile_once(model: str, threads: int, num_requests: int, seed: int = 0) -> 
     t0 = time.perf_counter()
     engine.generate(_engine_requests(work, "plain"))
     plain_s = time.perf_counter() - t0
+    parts_s = None
+    if parts_pool is not None:
+        engine.runner.step_parts = parts_pool
+        t0 = time.perf_counter()
+        engine.generate(_engine_requests(work, "parts"))
+        parts_s = time.perf_counter() - t0
     produced = sum(len(d.output_token_ids) for d in results.values())
     if produced != work.output_tokens:
         raise RuntimeError(f"engine produced {produced} tokens, the workload asks for {work.output_tokens}")
     return {
         "model": model, "threads": threads, "num_requests": num_requests, "output_tokens": produced,
-        "steps": steps, "plain_wall_s": plain_s, "timed_wall_s": timed_s,
+        "steps": steps, "plain_wall_s": plain_s, "timed_wall_s": timed_s, "parts_wall_s": parts_s,
+        "step_parts": parts_pool.parts if parts_pool is not None else 1,
         "parts_s": {p: timer.seconds.get(p, 0.0) for p in PARTS},
         "calls": {p: timer.calls.get(p, 0) for p in PARTS},
     }
@@ -219,7 +235,10 @@ def format_table(runs: list[dict[str, Any]]) -> str:
     for r in runs:
         lines.append(f"\n{r['threads']} thread(s): {r['steps']} steps, {r['output_tokens']} output tokens; "
                      f"untimed {r['output_tokens'] / r['plain_wall_s']:.0f} tok/s, "
-                     f"timed {r['output_tokens'] / r['timed_wall_s']:.0f} tok/s")
+                     f"timed {r['output_tokens'] / r['timed_wall_s']:.0f} tok/s"
+                     + (f"; untimed with steps in {r['step_parts']} parts "
+                        f"{r['output_tokens'] / r['parts_wall_s']:.0f} tok/s "
+                        f"({1000 * r['parts_wall_s'] / r['steps']:.3f} ms/step)" if r.get("parts_wall_s") else ""))
     return "\n".join(lines)
 
 

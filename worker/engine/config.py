@@ -56,6 +56,12 @@ class EngineConfig:
              "process may use, capped at its cgroup CPU quota)",
     )
 
+    cpu_step_parts: int | None = setting(
+        None, minimum=1,
+        help="parts a CPU step's model body is cut into, run side by side on threads of their own, each "
+             "with its share of the torch threads (default: 2 from 2 threads; 1 runs every step whole)",
+    )
+
     structured_compile_timeout_s: float = setting(
         5.0, above=0, finite=True,
         help="a structured_outputs constraint not compiled within this many seconds fails its job (invalid_constraint)",

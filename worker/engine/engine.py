@@ -38,6 +38,7 @@ from pathlib import Path
 
 from worker.engine.block_manager import BlockManager
 from worker.engine.config import EngineConfig
+from worker.engine.cpu_step_parts import StepPartPool, default_parts, key_weight, layer_params
 from worker.engine.cpu_threads import apply_cpu_threads
 from worker.engine.fault_isolation import FaultIsolation, StepFault, blame, describe
 from worker.engine.host_memory import keep_freed_memory
@@ -106,6 +107,7 @@ class Engine:
             dtype=mc.dtype, device=self.device, num_blocks=kv.num_blocks, block_size=bs,
             max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
             max_num_batched_tokens=config.max_num_batched_tokens, graph_mode=graph_mode,
+            step_parts=self._step_part_pool(config), key_weight=key_weight(mc.kv_size, layer_params(mc)),
         )
         # Graphs are captured now: the KV cache exists and no real step has run.
         self.runner.capture_graphs(fall_back=config.cuda_graphs == "auto")
@@ -131,6 +133,18 @@ class Engine:
             kv.num_blocks * kv.bytes_per_block / 1024**3, self.max_model_len, self.graph_mode,
             self.async_scheduling,
         )
+
+    def _step_part_pool(self, config: EngineConfig) -> StepPartPool | None:
+        """The threads a CPU step's parts run on (cpu_step_parts.py), or None for whole steps."""
+        if self.device.type != "cpu" or self.cpu_threads is None:
+            return None
+        parts = default_parts(self.cpu_threads) if config.cpu_step_parts is None else config.cpu_step_parts
+        parts = min(parts, self.cpu_threads)
+        if parts < 2:
+            return None
+        share, extra = divmod(self.cpu_threads, parts)
+        log.info("CPU steps run as %d parts of %d thread(s) where their work splits evenly", parts, share)
+        return StepPartPool([share + (i < extra) for i in range(parts)])
 
     @property
     def graph_mode(self) -> str:

@@ -80,20 +80,25 @@ class RotaryEmbedding(nn.Module):
         if not self._grow_on_demand:
             self._grow(max_positions)
 
-    def _grow(self, needed: int) -> None:
+    def _grow(self, needed: int) -> tuple[torch.Tensor, torch.Tensor]:
         size = max(needed, 2 * self._cos.shape[0], 256)
         pos = torch.arange(size, dtype=torch.float32, device=self.inv_freq.device)
         freqs = pos[:, None] * self.inv_freq[None, :]
-        self._cos, self._sin = freqs.cos(), freqs.sin()
+        cos, sin = freqs.cos(), freqs.sin()
+        self._cos, self._sin = cos, sin
+        return cos, sin
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """[T, 1, head_dim // 2] cos and sin in `dtype`, shared by every layer of one forward."""
+        # Both tables read once into locals: the parts of a split CPU step call this from threads
+        # of their own, and one may grow the tables between another's two reads.
+        cos_table, sin_table = self._cos, self._sin
         if self._grow_on_demand and positions.numel():
             top = int(positions.max()) + 1
-            if top > self._cos.shape[0]:
-                self._grow(top)
-        cos = self._cos.index_select(0, positions).to(dtype)
-        sin = self._sin.index_select(0, positions).to(dtype)
+            if top > cos_table.shape[0] or top > sin_table.shape[0]:
+                cos_table, sin_table = self._grow(top)
+        cos = cos_table.index_select(0, positions).to(dtype)
+        sin = sin_table.index_select(0, positions).to(dtype)
         return cos.unsqueeze(1), sin.unsqueeze(1)
 
 

@@ -30,6 +30,7 @@ import logging
 import math
 import sys
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -38,6 +39,7 @@ import numpy as np
 import torch
 
 from worker.engine.attention import AttentionMetadata, OutputRows
+from worker.engine.cpu_step_parts import StepPartPool, plan_parts
 from worker.engine.cuda_graphs import DecodeGraphRunner, capture_sizes
 from worker.engine.request import PENDING_TOKEN, Request
 from worker.engine.sampler import Sampler
@@ -175,7 +177,12 @@ class ModelRunner:
         max_model_len: int,
         max_num_batched_tokens: int | None = None,
         graph_mode: str = "off",
+        step_parts: StepPartPool | None = None,
+        key_weight: float = 0.0,
     ) -> None:
+        """step_parts: on the CPU, run a step's model body as parts side by side on this pool's
+        threads (cpu_step_parts.py); key_weight: one attended key's work against one token's
+        projections, for cutting steps into even parts."""
         if graph_mode not in GRAPH_MODES:
             raise ValueError(f"graph_mode must be one of {', '.join(GRAPH_MODES)}, got {graph_mode!r}")
         self.model = model
@@ -209,6 +216,11 @@ class ModelRunner:
                 batch_sizes=capture_sizes(max_num_seqs), use_graphs=graph_mode == "on",
             )
         self.num_graph_steps = 0  # steps run by the graph runner (tests check the path is taken)
+        self.step_parts = step_parts if device.type == "cpu" and self.graph_runner is None else None
+        self._key_weight = key_weight
+        self.num_split_steps = 0  # steps whose model body ran as parts (tests check the path is taken)
+        if self.step_parts is not None:
+            weakref.finalize(self, self.step_parts.stop)  # an engine dropped takes its threads along
 
     def _make_staging(self, max_tokens: int) -> PinnedStaging:
         seqs, width = self._max_num_seqs, self.max_blocks_per_seq
@@ -473,6 +485,10 @@ class ModelRunner:
         self._release_rows(out)
         if out.is_empty:
             return None, None
+        if self.step_parts is not None and pending is None:
+            split = self._execute_in_parts(out, argmax_ok)
+            if split is not None:
+                return split
         # Metadata is built outside inference mode: backends may key per-step plans on tensor versions.
         input_ids, positions, meta, output_rows, stats = self.prepare(out.requests, out.num_new_tokens, pending)
         self.forward_start = None
@@ -498,16 +514,48 @@ class ModelRunner:
             and self.graph_runner.can_run(meta)
         )
 
+    def _execute_in_parts(
+        self, out: SchedulerOutput, argmax_ok: bool
+    ) -> tuple[torch.Tensor | GreedyIds | None, StepInputs] | None:
+        """The step with its model body cut into parts run side by side (cpu_step_parts.py), the LM
+        head once over their joined rows; None when the step is better run whole (uneven work, too
+        small) or scores prompt positions (their rows are not cut)."""
+        requests, num_new = out.requests, out.num_new_tokens
+        n = np.fromiter(num_new, dtype=np.int64, count=len(requests))
+        seq_lens = n + np.fromiter((r.num_computed_tokens for r in requests), dtype=np.int64, count=len(requests))
+        if any(r.prompt_scores is not None for r in requests):
+            return None
+        cuts = plan_parts(n, seq_lens, self.step_parts.parts, self._key_weight)
+        if cuts is None:
+            return None
+        parts = [self.prepare(requests[c], num_new[c]) for c in cuts]
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            hidden = torch.cat(self.step_parts.map(self._body, [p[:4] for p in parts]))
+            stats = _joined([p[4] for p in parts])
+            logits = self._head(hidden, stats, argmax_ok)
+        self.last_forward_s = time.perf_counter() - t0
+        self.num_split_steps += 1
+        return logits, stats
+
+    def _body(self, input_ids, positions, meta, output_rows) -> torch.Tensor:
+        return self.model(input_ids, positions, meta, self.kv_caches, output_rows)
+
     def _forward(self, input_ids, positions, meta, output_rows, stats, argmax_ok=False) -> torch.Tensor | GreedyIds | None:
         # With output_rows (any step that is not pure decode) the hidden states are those rows only:
         # the sampling rows, then the scored prompt positions.
-        hidden = self.model(input_ids, positions, meta, self.kv_caches, output_rows)
+        hidden = self._body(input_ids, positions, meta, output_rows)
         num_samples = len(stats.sample_requests)
         if stats.scores is not None:
             # Waits for the device (the records go to the host); scoring requests keep steps
             # synchronous anyway (overlap.needs_host_history).
             record_scores(stats.scores, hidden[num_samples:], self.model)
             hidden = hidden[:num_samples]
+        return self._head(hidden, stats, argmax_ok)
+
+    def _head(self, hidden: torch.Tensor, stats: StepInputs, argmax_ok: bool) -> torch.Tensor | GreedyIds | None:
+        """The sampling rows' logits, or their greedy ids (see execute)."""
+        num_samples = len(stats.sample_requests)
         if not num_samples:
             return None
         if argmax_ok and Sampler.argmax_is_enough([r.sampling_inputs for r in stats.sample_requests]):
@@ -515,3 +563,16 @@ class ModelRunner:
             if ids is not None:
                 return GreedyIds(ids)
         return self.model.compute_logits(hidden, out=self._logits_buffer(hidden))
+
+
+def _joined(parts: Sequence[StepInputs]) -> StepInputs:
+    """One StepInputs for a step computed as contiguous parts: sums, and the sampling requests in
+    batch order."""
+    return StepInputs(
+        num_tokens=sum(p.num_tokens for p in parts),
+        num_seqs=sum(p.num_seqs for p in parts),
+        sample_requests=[r for p in parts for r in p.sample_requests],
+        prompt_tokens_computed=sum(p.prompt_tokens_computed for p in parts),
+        live_tokens=sum(p.live_tokens for p in parts),
+        slots_allocated=sum(p.slots_allocated for p in parts),
+    )

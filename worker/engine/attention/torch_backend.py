@@ -29,6 +29,7 @@ copy itself on Linux (the allocator hands the pages back and every step faults t
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -101,10 +102,16 @@ class TorchAttentionBackend:
         self.use_cpu_kernel = cpu_decode_kernel.available() if use_cpu_kernel is None else use_cpu_kernel
         if self.use_cpu_kernel and not cpu_decode_kernel.available():
             raise RuntimeError("the CPU decode attention kernel was requested but could not be built")
-        self._plan: _StepPlan | None = None
-        self._plan_key: tuple | None = None
-        self._plan_meta: AttentionMetadata | None = None
-        self._workspace: dict[tuple, torch.Tensor] = {}
+        # The step plan and the gather workspaces, per thread: the parts of a split CPU step
+        # (cpu_step_parts.py) run the layers on threads of their own, each with its own metadata.
+        self._local = threading.local()
+
+    def _state(self) -> threading.local:
+        local = self._local
+        if not hasattr(local, "workspace"):
+            local.plan, local.plan_key, local.plan_meta = None, None, None
+            local.workspace = {}
+        return local
 
     # -- KV write -----------------------------------------------------------------------------
     def write_kv(
@@ -183,12 +190,13 @@ class TorchAttentionBackend:
         count = index.numel()
         need = count * block_shape.numel()
         ws_key = (key_cache.dtype, key_cache.device)
-        ws = self._workspace.get(ws_key)
+        workspaces = self._state().workspace
+        ws = workspaces.get(ws_key)
         if ws is None or ws.shape[1] < need:
             # Grow geometrically so a slowly growing batch does not reallocate every step.
             size = max(need, int(ws.shape[1] * 1.5) if ws is not None else 0)
             ws = torch.empty(2, size, dtype=key_cache.dtype, device=key_cache.device)
-            self._workspace[ws_key] = ws
+            workspaces[ws_key] = ws
         k = torch.index_select(key_cache, 0, index, out=ws[0, :need].view(count, *block_shape))
         v = torch.index_select(value_cache, 0, index, out=ws[1, :need].view(count, *block_shape))
         return k, v
@@ -201,13 +209,14 @@ class TorchAttentionBackend:
         # object is never served a stale plan.
         num_blocks, block_size, num_kv_heads = key_cache.shape[:3]
         key = (id(meta), meta.block_tables._version, key_cache.shape, dtype, device, use_kernel)
-        if self._plan is not None and self._plan_key == key and self._plan_meta is meta:
-            return self._plan
-        self._plan = build_plan(meta, block_size, num_kv_heads, dtype, device, use_kernel=use_kernel,
+        state = self._state()
+        if state.plan is not None and state.plan_key == key and state.plan_meta is meta:
+            return state.plan
+        state.plan = build_plan(meta, block_size, num_kv_heads, dtype, device, use_kernel=use_kernel,
                                 num_blocks=num_blocks)
-        self._plan_key = key
-        self._plan_meta = meta
-        return self._plan
+        state.plan_key = key
+        state.plan_meta = meta
+        return state.plan
 
 
 def _blocks_for(seq_len: int, block_size: int) -> int:
