@@ -45,9 +45,20 @@ def test_attention_work_moves_the_cut():
     # The first half's rows have 10x the context: with attention weighted the cut moves left.
     n = np.ones(64, dtype=np.int64)
     seq_lens = np.r_[np.full(32, 1000), np.full(32, 100)]
-    cuts = plan_parts(n, seq_lens, 2, 0.01)
-    assert cuts is not None and cuts[0].stop < 32
+    assert plan_parts(n, seq_lens, 2, 0.01)[0].stop < 32
     assert plan_parts(n, seq_lens, 2, 0.0) == [slice(0, 32), slice(32, 64)]
+
+
+def test_sampling_rows_weigh_their_lm_head():
+    # The first half decodes (each row samples), the second half holds prefill chunks that do not
+    # finish their prompt: with the head weighed, the cut moves left.
+    n = np.r_[np.ones(32, dtype=np.int64), np.full(4, 8)]
+    seq_lens = n + 50
+    samples = np.r_[np.ones(32, dtype=bool), np.zeros(4, dtype=bool)]
+    even = plan_parts(n, seq_lens, 2, 0.0, samples, 0.0)[0].stop
+    weighed = plan_parts(n, seq_lens, 2, 0.0, samples, 2.5)[0].stop
+    assert even == 32 and weighed < 24  # 32 rows of 3.5 against 32 tokens of chunks: the cut near 20
+
 
 
 @pytest.mark.parametrize(("n", "seq_lens"), [
@@ -61,7 +72,10 @@ def test_steps_that_do_not_split_evenly_run_whole(n, seq_lens):
 
 def test_one_part_is_no_split():
     assert plan_parts(np.ones(64, dtype=np.int64), np.full(64, 10), 1, 0.01) is None
-    assert default_parts(1) == 1 and default_parts(2) == 2 and default_parts(64) == 2
+    assert default_parts(1, "PASSIVE") == 1
+    assert default_parts(2, "PASSIVE") == 2 and default_parts(64, "passive") == 2
+    # Under the spinning policies a whole step is quick on a quiet machine: parts only when asked.
+    assert default_parts(2, "") == 1 and default_parts(8, "ACTIVE") == 1
 
 
 def test_each_pool_thread_computes_with_its_own_count_and_the_callers_stays():
@@ -157,12 +171,18 @@ def test_split_steps_with_chunked_prefills_and_preemption(tiny_llama_dir, two_th
     assert {k: v[0] for k, v in split.items()} == {k: v[0] for k, v in whole.items()}
 
 
-def test_the_default_splits_from_two_threads_and_not_at_one(tiny_llama_dir, two_threads):
+def test_the_default_splits_from_two_threads_and_not_at_one(tiny_llama_dir, two_threads, monkeypatch):
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
     engine = Engine(EngineConfig(model=str(tiny_llama_dir), kv_cache_gb=0.01, cpu_threads=2))
     assert engine.runner.step_parts is not None and engine.runner.step_parts.parts == 2
     engine = Engine(EngineConfig(model=str(tiny_llama_dir), kv_cache_gb=0.01, cpu_threads=1))
     assert engine.runner.step_parts is None
     assert torch.get_num_threads() == 1
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    engine = Engine(EngineConfig(model=str(tiny_llama_dir), kv_cache_gb=0.01, cpu_threads=2))
+    assert engine.runner.step_parts is None
+    engine = Engine(EngineConfig(model=str(tiny_llama_dir), kv_cache_gb=0.01, cpu_threads=2, cpu_step_parts=2))
+    assert engine.runner.step_parts is not None
 
 
 def test_the_setting_is_refused_below_1():

@@ -59,7 +59,8 @@ class EngineConfig:
     cpu_step_parts: int | None = setting(
         None, minimum=1,
         help="parts a CPU step's model body is cut into, run side by side on threads of their own, each "
-             "with its share of the torch threads (default: 2 from 2 threads; 1 runs every step whole)",
+             "with its share of the torch threads (default: 2 from 2 threads under OMP_WAIT_POLICY=PASSIVE, "
+             "else 1, which runs every step whole)",
     )
 
     structured_compile_timeout_s: float = setting(

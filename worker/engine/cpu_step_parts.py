@@ -13,15 +13,18 @@ A row's result does not depend on which part computed it beyond what any change 
 already does (GEMM blocking by row count), so the greedy sequences stay those of the unsplit step.
 
 Work of a request in a step: n tokens through the projections, plus each token's attention over the
-keys before it. `key_weight` is what one key costs against one token's projections: the K and V rows
-read (8 bytes per kv element at ~15 GB/s) against 2 * layer parameters FLOP (at ~100 GFLOP/s),
-about 13 * kv_size / layer_params. A step is split only when its parts come out within `SLACK` of
+keys before it, plus the LM head when it samples. `key_weight` is what one key costs against one
+token's projections: the K and V rows read (8 bytes per kv element at ~15 GB/s) against
+2 * layer parameters FLOP (at ~100 GFLOP/s), about 13 * kv_size / layer_params. `head_weight` is a
+sampling row's LM head: on tiny-llama (vocabulary 32,000, four small layers) 1.4 tokens' worth, on
+SmolLM2 0.13; left out, the part with the most decode rows came out ~9% heavier. A step is split only when its parts come out within `SLACK` of
 an even share; a step of one long prefill chunk, say, runs unsplit with every thread.
 """
 
 from __future__ import annotations
 
 import atexit
+import os
 import queue
 import threading
 import weakref
@@ -39,16 +42,32 @@ SLACK = 1.25
 MIN_TOKENS = 8
 
 
-def default_parts(threads: int) -> int:
-    """Parts per step for `threads` torch threads: two from two threads on (each part then has half
-    the threads), one below. Measured on two cores only; more parts than two would leave each GEMM
-    too few rows on hosts with many cores."""
-    return 2 if threads >= 2 else 1
+def default_parts(threads: int, wait_policy: str | None = None) -> int:
+    """Parts per step for `threads` torch threads under OpenMP wait policy `wait_policy` (the
+    OMP_WAIT_POLICY the process started with; None reads it from the environment).
+
+    Two from two threads (each part then has half the threads) when the policy is passive, else
+    one. Measured on two cores (docs/engine.md, "Steps in parts"): under the passive policy parts
+    were never slower (tiny-llama +5%, +8% beside a busy process; SmolLM2 +1%); under the default,
+    spinning policy, a whole step's team is quick on a quiet machine (SmolLM2 8% slower in parts)
+    but stalls beside a busy process (1.7-1.9x faster in parts there), so there it is left to
+    `cpu_step_parts`. More parts than two would leave each GEMM too few rows on many cores.
+    """
+    if wait_policy is None:
+        wait_policy = os.environ.get("OMP_WAIT_POLICY", "")
+    passive = wait_policy.strip().lower() == "passive"
+    return 2 if threads >= 2 and passive else 1
 
 
 def key_weight(kv_size: int, layer_params: int) -> float:
     """One attended key's cost in units of one token's projections (see the module docstring)."""
     return 13.0 * kv_size / max(layer_params, 1)
+
+
+def head_weight(vocab_size: int, hidden_size: int, num_layers: int, layer_params: int) -> float:
+    """One sampling row's LM head (the greedy screen's bfloat16 GEMM, about twice the float32 rate)
+    in units of one token's projections through every layer."""
+    return 0.9 * vocab_size * hidden_size / max(num_layers * layer_params, 1)
 
 
 def layer_params(mc) -> int:
@@ -57,9 +76,13 @@ def layer_params(mc) -> int:
     return h * (mc.q_size + 2 * mc.kv_size) + mc.q_size * h + 3 * h * mc.intermediate_size
 
 
-def plan_parts(num_new_tokens: np.ndarray, seq_lens: np.ndarray, parts: int, weight_per_key: float) -> list[slice] | None:
+def plan_parts(num_new_tokens: np.ndarray, seq_lens: np.ndarray, parts: int, weight_per_key: float,
+               samples: np.ndarray | None = None, weight_per_sample: float = 0.0) -> list[slice] | None:
     """Contiguous slices of the step's requests, one per part, of about equal work; None when the
-    step should run unsplit (one request, too few tokens, or no cut within SLACK of even)."""
+    step cannot be split well (one request, too few tokens, or no cut within SLACK of even).
+
+    samples: which requests sample this step (their row goes through the LM head, which the parts
+    also run for greedy rows), each weighing `weight_per_sample` more."""
     count = len(num_new_tokens)
     if parts < 2 or count < parts or int(num_new_tokens.sum()) < MIN_TOKENS:
         return None
@@ -67,6 +90,8 @@ def plan_parts(num_new_tokens: np.ndarray, seq_lens: np.ndarray, parts: int, wei
     # Keys attended by a chunk of n tokens ending at seq_len: n * seq_len - n * (n - 1) / 2.
     keys = n * seq_lens - n * (n - 1) / 2
     work = n + weight_per_key * keys
+    if samples is not None:
+        work = work + weight_per_sample * samples
     prefix = np.cumsum(work)
     total = float(prefix[-1])
     targets = total * np.arange(1, parts) / parts

@@ -38,7 +38,7 @@ from pathlib import Path
 
 from worker.engine.block_manager import BlockManager
 from worker.engine.config import EngineConfig
-from worker.engine.cpu_step_parts import StepPartPool, default_parts, key_weight, layer_params
+from worker.engine.cpu_step_parts import StepPartPool, default_parts, head_weight, key_weight, layer_params
 from worker.engine.cpu_threads import apply_cpu_threads
 from worker.engine.fault_isolation import FaultIsolation, StepFault, blame, describe
 from worker.engine.host_memory import keep_freed_memory
@@ -108,6 +108,7 @@ class Engine:
             max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
             max_num_batched_tokens=config.max_num_batched_tokens, graph_mode=graph_mode,
             step_parts=self._step_part_pool(config), key_weight=key_weight(mc.kv_size, layer_params(mc)),
+            head_weight=head_weight(mc.vocab_size, mc.hidden_size, mc.num_layers, layer_params(mc)),
         )
         # Graphs are captured now: the KV cache exists and no real step has run.
         self.runner.capture_graphs(fall_back=config.cuda_graphs == "auto")

@@ -179,10 +179,11 @@ class ModelRunner:
         graph_mode: str = "off",
         step_parts: StepPartPool | None = None,
         key_weight: float = 0.0,
+        head_weight: float = 0.0,
     ) -> None:
         """step_parts: on the CPU, run a step's model body as parts side by side on this pool's
-        threads (cpu_step_parts.py); key_weight: one attended key's work against one token's
-        projections, for cutting steps into even parts."""
+        threads (cpu_step_parts.py); key_weight and head_weight: one attended key's and one sampling
+        row's work against one token's projections, for cutting steps into even parts."""
         if graph_mode not in GRAPH_MODES:
             raise ValueError(f"graph_mode must be one of {', '.join(GRAPH_MODES)}, got {graph_mode!r}")
         self.model = model
@@ -217,7 +218,7 @@ class ModelRunner:
             )
         self.num_graph_steps = 0  # steps run by the graph runner (tests check the path is taken)
         self.step_parts = step_parts if device.type == "cpu" and self.graph_runner is None else None
-        self._key_weight = key_weight
+        self._key_weight, self._head_weight = key_weight, head_weight
         self.num_split_steps = 0  # steps whose model body ran as parts (tests check the path is taken)
         if self.step_parts is not None:
             weakref.finalize(self, self.step_parts.stop)  # an engine dropped takes its threads along
@@ -485,10 +486,14 @@ class ModelRunner:
         self._release_rows(out)
         if out.is_empty:
             return None, None
-        if self.step_parts is not None and pending is None:
-            split = self._execute_in_parts(out, argmax_ok)
-            if split is not None:
-                return split
+        cuts = self._plan_parts(out) if self.step_parts is not None and pending is None else None
+        if cuts is not None:
+            return self._execute_in_parts(out, cuts, argmax_ok)
+        return self._execute_whole(out, pending, argmax_ok)
+
+    def _execute_whole(
+        self, out: SchedulerOutput, pending: PendingTokens | None, argmax_ok: bool
+    ) -> tuple[torch.Tensor | GreedyIds | None, StepInputs | None]:
         # Metadata is built outside inference mode: backends may key per-step plans on tensor versions.
         input_ids, positions, meta, output_rows, stats = self.prepare(out.requests, out.num_new_tokens, pending)
         self.forward_start = None
@@ -514,29 +519,51 @@ class ModelRunner:
             and self.graph_runner.can_run(meta)
         )
 
-    def _execute_in_parts(
-        self, out: SchedulerOutput, argmax_ok: bool
-    ) -> tuple[torch.Tensor | GreedyIds | None, StepInputs] | None:
-        """The step with its model body cut into parts run side by side (cpu_step_parts.py), the LM
-        head once over their joined rows; None when the step is better run whole (uneven work, too
-        small) or scores prompt positions (their rows are not cut)."""
-        requests, num_new = out.requests, out.num_new_tokens
-        n = np.fromiter(num_new, dtype=np.int64, count=len(requests))
-        seq_lens = n + np.fromiter((r.num_computed_tokens for r in requests), dtype=np.int64, count=len(requests))
+    def _plan_parts(self, out: SchedulerOutput) -> list[slice] | None:
+        """How the step's requests would be cut into parts (cpu_step_parts.py); None when the step
+        does not split well (uneven work, too small) or scores prompt positions (their rows are
+        not cut)."""
+        requests = out.requests
         if any(r.prompt_scores is not None for r in requests):
             return None
-        cuts = plan_parts(n, seq_lens, self.step_parts.parts, self._key_weight)
-        if cuts is None:
-            return None
+        n = np.fromiter(out.num_new_tokens, dtype=np.int64, count=len(requests))
+        seq_lens = n + np.fromiter((r.num_computed_tokens for r in requests), dtype=np.int64, count=len(requests))
+        samples = seq_lens == np.fromiter((r.num_tokens for r in requests), dtype=np.int64, count=len(requests))
+        return plan_parts(n, seq_lens, self.step_parts.parts, self._key_weight, samples, self._head_weight)
+
+    def _execute_in_parts(
+        self, out: SchedulerOutput, cuts: list[slice], argmax_ok: bool
+    ) -> tuple[torch.Tensor | GreedyIds | None, StepInputs]:
+        """The step with its model body cut into parts run side by side on the pool's threads, and
+        the greedy rows' ids found there too; the full LM head, where needed, once over the joined
+        rows."""
+        requests, num_new = out.requests, out.num_new_tokens
         parts = [self.prepare(requests[c], num_new[c]) for c in cuts]
+        stats = _joined([p[4] for p in parts])
+        # Greedy rows' ids come out of the parts too (the screen, on each part's thread), so that
+        # the calling thread runs no parallel region of its own in such a step: under OpenMP's
+        # default wait policy its idle team would spin on a core the parts need.
+        want_ids = bool(stats.sample_requests) and argmax_ok and Sampler.argmax_is_enough(
+            [r.sampling_inputs for r in stats.sample_requests])
         t0 = time.perf_counter()
         with torch.inference_mode():
-            hidden = torch.cat(self.step_parts.map(self._body, [p[:4] for p in parts]))
-            stats = _joined([p[4] for p in parts])
-            logits = self._head(hidden, stats, argmax_ok)
+            done = self.step_parts.map(self._part, [(*p[:4], want_ids and bool(p[4].sample_requests)) for p in parts])
+            hidden = torch.cat([h for h, _ in done])
+            ids = [i for _, i in done]
+            if want_ids and all(i is not None for i, p in zip(ids, parts, strict=True) if p[4].sample_requests):
+                result: torch.Tensor | GreedyIds | None = GreedyIds(torch.cat([i for i in ids if i is not None]))
+            else:
+                # A screen that could not narrow a part's rows: the full head over every row.
+                result = self._head(hidden, stats, False)
         self.last_forward_s = time.perf_counter() - t0
         self.num_split_steps += 1
-        return logits, stats
+        return result, stats
+
+    def _part(self, input_ids, positions, meta, output_rows, want_ids: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One part of a split step, on its pool thread: its output rows, and their greedy ids when
+        wanted and the screen finds them (else None)."""
+        hidden = self._body(input_ids, positions, meta, output_rows)
+        return hidden, self.model.greedy_ids(hidden) if want_ids else None
 
     def _body(self, input_ids, positions, meta, output_rows) -> torch.Tensor:
         return self.model(input_ids, positions, meta, self.kv_caches, output_rows)
