@@ -158,14 +158,14 @@ def _requests():
 def _generate(model_dir, requests, monkeypatch, screen_on):
     monkeypatch.setenv(greedy_head.DISABLE_ENV, "1" if screen_on else "0")
     calls = []
-    real = ModelRunner._head
+    real = ModelRunner.execute
 
     def spy(self, *args, **kwargs):
         out = real(self, *args, **kwargs)
-        calls.append(type(out).__name__)
+        calls.append(type(out[0]).__name__)  # whole steps and steps in parts alike
         return out
 
-    monkeypatch.setattr(ModelRunner, "_head", spy)
+    monkeypatch.setattr(ModelRunner, "execute", spy)
     engine = Engine(EngineConfig(model=str(model_dir), dtype="float32", kv_cache_gb=0.01, max_model_len=256))
     results = engine.generate(requests)
     return {rid: list(r.output_token_ids) for rid, r in results.items()}, calls, results
