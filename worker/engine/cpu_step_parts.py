@@ -127,7 +127,6 @@ class StepPartPool:
         if len(threads_per_part) < 2 or min(threads_per_part) < 1:
             raise ValueError(f"a step part pool needs two or more parts of one thread or more; got {threads_per_part}")
         self.parts = len(threads_per_part)
-        self.threads_per_part = tuple(threads_per_part)
         own = torch.get_num_threads()
         started = threading.Barrier(self.parts + 1)
         self._inboxes: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(self.parts)]

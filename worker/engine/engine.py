@@ -102,13 +102,14 @@ class Engine:
             SchedulerConfig(max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs),
             self.block_manager,
         )
+        per_layer = layer_params(mc)  # weights of one layer's projections: the unit of a step part's work
         self.runner = ModelRunner(
             self.model, num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
             dtype=mc.dtype, device=self.device, num_blocks=kv.num_blocks, block_size=bs,
             max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
             max_num_batched_tokens=config.max_num_batched_tokens, graph_mode=graph_mode,
-            step_parts=self._step_part_pool(config), key_weight=key_weight(mc.kv_size, layer_params(mc)),
-            head_weight=head_weight(mc.vocab_size, mc.hidden_size, mc.num_layers, layer_params(mc)),
+            step_parts=self._step_part_pool(config), key_weight=key_weight(mc.kv_size, per_layer),
+            head_weight=head_weight(mc.vocab_size, mc.hidden_size, mc.num_layers, per_layer),
         )
         # Graphs are captured now: the KV cache exists and no real step has run.
         self.runner.capture_graphs(fall_back=config.cuda_graphs == "auto")
