@@ -7,7 +7,7 @@ add up to the run's wall time. The parts:
 
 - scheduling       Scheduler.schedule
 - step inputs      ModelRunner.prepare (ids, positions, slots, block tables, rows to sample)
-- GEMM             the layers' F.linear calls (qkv, o, gate_up, down)
+- GEMM             the layers' projections (qkv, o, gate_up, down): F.linear, oneDNN or AMX
 - LM head          compute_logits
 - decode attention (the C kernel or the torch path), prefill attention (SDPA, and the C kernel's
   share for short prefill rows, split from one call by keys read), KV write, attention, other
@@ -86,7 +86,7 @@ def _patch(stack: ExitStack, owner: Any, name: str, wrapper: Callable[[Callable]
 def _instrument(stack: ExitStack, timer: PartTimer) -> None:
     import torch.nn.functional as F
 
-    from worker.engine import cpu_gemm
+    from worker.engine import cpu_amx_gemm, cpu_gemm
     from worker.engine import engine as engine_module
     from worker.engine.attention import cpu_decode_kernel
     from worker.engine.attention.torch_backend import TorchAttentionBackend
@@ -123,6 +123,7 @@ def _instrument(stack: ExitStack, timer: PartTimer) -> None:
     _patch(stack, cpu_decode_kernel, "paged_decode_attention", lambda fn: _kernel_split(timer, fn))
     _patch(stack, F, "linear", lambda fn: timer.wrap(linear_part, fn))
     _patch(stack, cpu_gemm, "linear", lambda fn: timer.wrap(linear_part, fn))
+    _patch(stack, cpu_amx_gemm.SplitWeight, "linear", lambda fn: timer.wrap(linear_part, fn))
     _patch(stack, decoder_module, "rms_norm", lambda fn: timer.wrap("element-wise", fn))  # Qwen3's q/k norm
 
 

@@ -15,6 +15,8 @@ against 1.2332988); so small models keep MKL's F.linear, the same bits as transf
 SmolLM2's (hidden 576, intermediate 1536) oneDNN, padded, is 1.09-1.25x MKL on one thread and
 1.06-1.32x on two at 37-2,048 rows, and the layers' GEMMs are two thirds of its step: from a hidden
 size of 512 (LAYERS_MIN_HIDDEN) the projections go to oneDNN too. This is also vLLM's CPU path.
+On a CPU with AMX tiles those projections go instead to the split-bfloat16 kernel of
+cpu_amx_gemm.py (float32's accuracy at 1.4-1.9x oneDNN's float32 speed); layer_gemm() decides.
 
 A row's logits are the same bits at any row count and any thread count (MKL's F.linear changes its
 summation order with the row count), and within float32 rounding of F.linear (tests/test_cpu_gemm.py).
@@ -37,6 +39,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
+from worker.engine import cpu_amx_gemm
 from worker.engine.switches import switch
 
 log = logging.getLogger(__name__)
@@ -103,24 +106,49 @@ def layers_on_onednn(hidden_size: int) -> bool:
     return wanted and available()
 
 
+def layer_gemm(hidden_size: int) -> str:
+    """Which GEMM a float32 CPU model's layer projections use: "amx", "onednn" or "mkl".
+
+    The size rule (or TOKENMILL_ONEDNN_LAYERS) says whether the projections leave MKL; where they do,
+    they take the AMX split kernel (cpu_amx_gemm.py) when the CPU has AMX, else oneDNN.
+    TOKENMILL_AMX_GEMM=1 puts them on AMX at any size, =0 never."""
+    amx = cpu_amx_gemm.forced()
+    if amx and cpu_amx_gemm.available():
+        return "amx"
+    forced = switch(LAYERS_ENV)
+    if not (hidden_size >= LAYERS_MIN_HIDDEN if forced is None else forced):
+        return "mkl"
+    if amx is not False and cpu_amx_gemm.available():
+        return "amx"
+    return "onednn" if available() else "mkl"
+
+
 class PackedWeight:
-    """A float32 CPU weight and its oneDNN copy, repacked when the weight is written in place (a reload)."""
+    """A float32 CPU weight and its copy for oneDNN or for the AMX kernel, made again when the weight
+    is written in place (a reload)."""
 
-    __slots__ = ("weight", "_key", "_packed")
+    __slots__ = ("weight", "kind", "_key", "_packed")
 
-    def __init__(self, weight: torch.Tensor):
+    def __init__(self, weight: torch.Tensor, kind: str = "onednn"):
+        if kind not in ("onednn", "amx"):
+            raise ValueError(f"unknown packed GEMM kind {kind!r}")
         self.weight = weight
+        self.kind = kind
         self._key: tuple[int, int] | None = None
-        self._packed: torch.Tensor | None = None
+        self._packed: torch.Tensor | cpu_amx_gemm.SplitWeight | None = None
 
-    def packed(self) -> torch.Tensor | None:
+    def packed(self) -> torch.Tensor | cpu_amx_gemm.SplitWeight | None:
         key = (self.weight.data_ptr(), self.weight._version)
         if key != self._key:
-            self._packed, self._key = pack(self.weight), key
+            build = cpu_amx_gemm.SplitWeight if self.kind == "amx" else pack
+            self._packed, self._key = build(self.weight), key
         return self._packed
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return linear(x, self.weight, bias, self.packed())
+        packed = self.packed()
+        if isinstance(packed, cpu_amx_gemm.SplitWeight):
+            return packed.linear(x, bias)
+        return linear(x, self.weight, bias, packed)
 
 
 def _matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -54,9 +54,10 @@ class DecoderLayer(nn.Module):
 
     _PROJECTIONS = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
 
-    def pack_projections(self) -> None:
-        """Run the four projections on oneDNN from now on, each weight packed now, not in a step."""
-        self._packed = {name: cpu_gemm.PackedWeight(getattr(self, name)) for name in self._PROJECTIONS}
+    def pack_projections(self, kind: str = "onednn") -> None:
+        """Run the four projections on oneDNN or the AMX kernel ("onednn" / "amx", cpu_gemm.py) from
+        now on, each weight packed now, not in a step."""
+        self._packed = {name: cpu_gemm.PackedWeight(getattr(self, name), kind) for name in self._PROJECTIONS}
         for weight in self._packed.values():
             weight.packed()
 
@@ -157,13 +158,15 @@ class DecoderForCausalLM(nn.Module):
     def pack_for_cpu(self) -> None:
         """On a float32 CPU model, pack the LM head for oneDNN now (worker/engine/cpu_gemm.py) and build
         its greedy screen (worker/engine/greedy_head.py), not in the first step; from hidden size 512
-        the layers' projections go to oneDNN too (cpu_gemm.layers_on_onednn)."""
+        the layers' projections go to the AMX kernel where the CPU has one, else to oneDNN
+        (cpu_gemm.layer_gemm)."""
         if self.lm_head.device.type != "cpu" or self.lm_head.dtype != torch.float32:
             return
         self._greedy_screen()
-        if cpu_gemm.layers_on_onednn(self.config.hidden_size):
+        kind = cpu_gemm.layer_gemm(self.config.hidden_size)
+        if kind != "mkl":
             for layer in self.layers:
-                layer.pack_projections()
+                layer.pack_projections(kind)
 
     @torch.inference_mode()
     def greedy_ids(self, hidden: torch.Tensor) -> torch.Tensor | None:

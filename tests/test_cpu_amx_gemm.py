@@ -1,0 +1,154 @@
+"""The AMX split-bfloat16 GEMM (worker/engine/cpu_amx_gemm.py): float32's accuracy against float64,
+a row's bits independent of the row count, the other rows, the thread count and the K slabs, and the
+choice of the layers' GEMM. The kernel tests need a CPU with AMX; the choice tests run anywhere."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from worker.engine import cpu_amx_gemm, cpu_gemm
+
+needs_amx = pytest.mark.skipif(not cpu_amx_gemm.available(), reason="this CPU has no AMX tiles (bf16)")
+
+
+def _case(m, k, n, seed=0, spread=True):
+    g = torch.Generator().manual_seed(seed)
+    weight = torch.randn(n, k, generator=g) * 0.05
+    if spread:  # inputs of very different sizes, where a lost low part would show
+        weight = weight * torch.logspace(-3, 3, k)
+    return torch.randn(m, k, generator=g), weight, torch.randn(n, generator=g)
+
+
+def _relative_error(got, x, weight, bias=None):
+    want = x.double() @ weight.double().T
+    scale = x.double().abs() @ weight.double().abs().T
+    if bias is not None:
+        want, scale = want + bias.double(), scale + bias.double().abs()
+    return ((got.double() - want).abs() / scale).max().item()
+
+
+@needs_amx
+@pytest.mark.parametrize("m,k,n", [(1, 32, 32), (7, 40, 48), (37, 576, 960), (256, 1536, 576), (300, 688, 256)])
+def test_products_are_as_accurate_as_float32_against_float64(m, k, n):
+    x, weight, bias = _case(m, k, n)
+    got = cpu_amx_gemm.SplitWeight(weight).linear(x, bias)
+    assert got.shape == (m, n) and got.dtype == torch.float32
+    amx = _relative_error(got, x, weight, bias)
+    onednn = _relative_error(F.linear(x, weight, bias), x, weight, bias)
+    # The three parts keep float32's 24 bits: the error is float32 rounding, not bfloat16's 2^-9.
+    assert amx < cpu_amx_gemm.SELF_CHECK_BOUND
+    assert amx <= 2 * onednn + 1e-7
+
+
+@needs_amx
+def test_dropping_a_part_would_show():
+    """The test above can fail: the same GEMM with the inputs rounded to one bfloat16 part is far off."""
+    x, weight, _ = _case(64, 576, 96)
+    coarse = F.linear(x.bfloat16().float(), weight.bfloat16().float())
+    assert _relative_error(coarse, x, weight) > 100 * cpu_amx_gemm.SELF_CHECK_BOUND
+
+
+@needs_amx
+def test_a_row_gets_the_same_bits_at_any_row_count_and_beside_any_rows():
+    x, weight, bias = _case(600, 1100, 70, seed=1)  # 1,100 inputs: several K slabs at 256 rows
+    split = cpu_amx_gemm.SplitWeight(weight)
+    full = split.linear(x, bias)
+    for rows in (1, 2, 15, 31, 32, 33, 100, 255, 256, 257, 513):
+        assert torch.equal(split.linear(x[:rows], bias), full[:rows]), rows
+        assert torch.equal(split.linear(x[rows:rows + 5], bias), full[rows:rows + 5]), rows
+    shuffled = torch.randperm(600, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(split.linear(x[shuffled], bias), full[shuffled])
+
+
+@needs_amx
+def test_a_row_gets_the_same_bits_at_any_thread_count():
+    x, weight, bias = _case(130, 576, 1000, seed=3)
+    split = cpu_amx_gemm.SplitWeight(weight)
+    before = torch.get_num_threads()
+    try:
+        results = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            results.append(split.linear(x, bias))
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(r, results[0]) for r in results[1:])
+
+
+@needs_amx
+def test_strided_rows_and_no_rows():
+    x, weight, _ = _case(40, 96, 64, seed=4)
+    split = cpu_amx_gemm.SplitWeight(weight)
+    wide = torch.zeros(40, 192)
+    wide[:, ::2] = x
+    assert torch.equal(split.linear(wide[:, ::2]), split.linear(x))  # a column-strided view is copied
+    rows = torch.cat((x, x)).view(2, 40, 96)[:, :20].reshape(-1, 96)
+    assert torch.equal(split.linear(rows), split.linear(rows.contiguous()))
+    assert split.linear(x[:0]).shape == (0, 64)
+
+
+@needs_amx
+def test_a_packed_weight_is_split_again_after_an_in_place_write():
+    x, weight, bias = _case(5, 48, 64, seed=5, spread=False)
+    packed = cpu_gemm.PackedWeight(weight, "amx")
+    torch.testing.assert_close(packed.linear(x, bias), F.linear(x, weight, bias), atol=1e-5, rtol=1e-5)
+    first = packed.packed()
+    assert packed.packed() is first
+    with torch.no_grad():
+        weight.mul_(-3)
+    torch.testing.assert_close(packed.linear(x, bias), F.linear(x, weight, bias), atol=1e-4, rtol=1e-5)
+
+
+def test_the_switch_turns_it_off_and_a_cpu_without_amx_never_has_it(monkeypatch):
+    monkeypatch.setenv(cpu_amx_gemm.DISABLE_ENV, "0")
+    assert not cpu_amx_gemm.available()
+    monkeypatch.setenv(cpu_amx_gemm.DISABLE_ENV, "sometimes")
+    with pytest.raises(ValueError, match=cpu_amx_gemm.DISABLE_ENV):
+        cpu_amx_gemm.available()
+    monkeypatch.delenv(cpu_amx_gemm.DISABLE_ENV)
+    monkeypatch.setattr(cpu_amx_gemm, "_ready", None)
+    monkeypatch.setattr(cpu_amx_gemm, "_cpu_has_amx", lambda: False)
+    assert not cpu_amx_gemm.available()
+
+
+@pytest.mark.parametrize("has_amx", [True, False])
+def test_the_layers_choice(monkeypatch, has_amx):
+    monkeypatch.setattr(cpu_amx_gemm, "available", lambda: has_amx)
+    monkeypatch.delenv(cpu_gemm.LAYERS_ENV, raising=False)
+    monkeypatch.delenv(cpu_amx_gemm.DISABLE_ENV, raising=False)
+    packed = "amx" if has_amx else ("onednn" if cpu_gemm.available() else "mkl")
+    assert cpu_gemm.layer_gemm(256) == "mkl"  # small models keep MKL's bits (transformers' own)
+    assert cpu_gemm.layer_gemm(cpu_gemm.LAYERS_MIN_HIDDEN) == packed
+    monkeypatch.setenv(cpu_amx_gemm.DISABLE_ENV, "1")  # AMX at any size, where there is AMX
+    assert cpu_gemm.layer_gemm(64) == ("amx" if has_amx else "mkl")
+    monkeypatch.setenv(cpu_amx_gemm.DISABLE_ENV, "0")
+    assert cpu_gemm.layer_gemm(4096) == ("onednn" if cpu_gemm.available() else "mkl")
+    monkeypatch.delenv(cpu_amx_gemm.DISABLE_ENV)
+    monkeypatch.setenv(cpu_gemm.LAYERS_ENV, "0")
+    assert cpu_gemm.layer_gemm(4096) == "mkl"
+
+
+@needs_amx
+def test_a_wide_model_on_amx_keeps_transformers_greedy_path(tmp_path, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    from tools.tiny_models import build_tiny_model
+    from worker.engine import Engine, EngineConfig, EngineRequest, SamplingParams
+
+    monkeypatch.delenv(cpu_gemm.LAYERS_ENV, raising=False)
+    monkeypatch.delenv(cpu_amx_gemm.DISABLE_ENV, raising=False)
+    model_dir = build_tiny_model(tmp_path, "qwen2", seed=3, vocab_size=2048, hidden_size=512, intermediate_size=1024,
+                                 num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 2048, (n,), generator=g).tolist() for n in (1, 9, 17, 40, 300)]
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    with torch.inference_mode():
+        want = [hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long), max_new_tokens=12,
+                            do_sample=False, pad_token_id=0, eos_token_id=None)[0, len(p):].tolist() for p in prompts]
+    engine = Engine(EngineConfig(model=str(model_dir), dtype="float32", kv_cache_gb=0.05))
+    layers = engine.runner.model.layers
+    assert all(layer._packed is not None and layer._packed["qkv_weight"].kind == "amx" for layer in layers)
+    res = engine.generate([EngineRequest(request_id=f"w{i}", prompt_token_ids=p,
+                                         sampling=SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+                           for i, p in enumerate(prompts)])
+    assert [list(res[f"w{i}"].output_token_ids) for i in range(len(prompts))] == want

@@ -1,0 +1,357 @@
+"""float32 GEMMs on the CPU's AMX tiles, each operand split exactly into three bfloat16 parts.
+
+Why: on a CPU with AMX (Intel Xeon from Sapphire Rapids on) one core multiplies bfloat16 tiles at
+about 1,024 flop per cycle, against 64 for float32 FMA in AVX-512: oneDNN's float32 GEMM peaks here
+at 165-180 GFLOP/s on one core, its bfloat16 GEMM at 1.0-1.5 TFLOP/s. The layers' projections are
+two thirds of a SmolLM2 step, all float32.
+
+How, without leaving float32's accuracy: a float32 x is the exact sum x1 + x2 + x3 of three
+bfloat16 numbers (x1 = bf16(x), x2 = bf16(x - x1), x3 = x - x1 - x2; 8 + 8 + 8 significant bits
+cover float32's 24). So x . w = sum over i, j of xi . wj. The kernel keeps the six products with
+i + j <= 4 and drops x2.w3, x3.w2, x3.w3, each below 2^-24 |x||w|, under float32's own rounding of
+one product. Every bfloat16 product is exact in float32 and the tiles accumulate in float32, so a
+logit's error is that of a float32 GEMM with another summation order: measured against float64,
+the largest error relative to sum |x||w| is 1.0-2.0e-7 here, against 1.4-4.2e-7 for oneDNN's
+float32 GEMM (tests/test_cpu_amx_gemm.py holds it under a bound). Six tile products per float32
+product still leave about 2.6x float32's peak; measured per GEMM at SmolLM2's shapes, 1.4-1.9x
+oneDNN's float32 (docs/engine.md).
+
+Layout: the weight is split and packed once, at load, into the tiles' VNNI order (a 16 x 32 tile of
+the three parts per 32 columns and 32 inputs); the activations are split per call, 32 rows at a
+time, into the same blocks. One output block is 32 x 32 (four accumulator tiles, two A and two B
+tiles). Threads split the columns, so a thread's weight stays in its own L2; inputs longer than
+about 640 KB of split rows run in K slabs, the accumulators kept in a float32 workspace between
+slabs (an exact round trip), so a row's bits do not depend on the slab, the row count, the other
+rows or the thread count.
+
+Where it applies: a float32 CPU weight, a CPU with amx_bf16, amx_tile and avx512_bf16 whose kernel
+grants the tile state (arch_prctl), a C compiler that knows the AMX intrinsics (GCC 11, clang 12),
+and a self-check against float64 at first use. Elsewhere available() is False and callers keep
+oneDNN / MKL. TOKENMILL_AMX_GEMM=0 turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+
+import torch
+
+from worker.engine.c_build import OnDemandLibrary
+from worker.engine.switches import switch
+
+log = logging.getLogger(__name__)
+
+DISABLE_ENV = "TOKENMILL_AMX_GEMM"  # "0": never; "1": also the models cpu_gemm keeps on MKL
+
+# Rows per pass: the split rows of a pass (rows x K x 6 bytes) stay in the core's L2 while every
+# column block reads them.
+CHUNK_ROWS = 256
+# Bytes of split rows per K slab: a pass over longer inputs (SmolLM2's down projection, K = 1,536)
+# runs in slabs of at most this many, with the partial sums kept between slabs.
+SLAB_BYTES = 640 * 1024
+# The largest error of a self-check product against float64, relative to sum |x||w|: 4x what the
+# split leaves (1-2e-7 measured), still below what oneDNN's float32 GEMM shows on the same data.
+SELF_CHECK_BOUND = 8e-7
+
+_SOURCE = r"""
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16"))), apply_to = function)
+#else
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")
+#endif
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+#define TILE_ELEMS 512 /* a 16 x 32 bfloat16 tile */
+#define BLOCK_ELEMS (3 * 2 * TILE_ELEMS) /* three parts x two tiles: 32 rows (or columns) x 32 inputs */
+
+/* Linux hands out the AMX tile state only to a process that asks (once; oneDNN asks too). */
+int amx_request_permission(void) {
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+}
+
+typedef struct {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed)) tile_config;
+
+static void configure_tiles(void) {
+    tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    for (int t = 0; t < 8; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
+    _tile_loadconfig(&cfg);
+}
+
+static inline __m512 widen(__m256bh h) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)h), 16));
+}
+
+/* 16 floats -> their three bfloat16 parts (round to nearest even each time; the last is exact). */
+static inline void split16(__m512 v, uint16_t *p1, uint16_t *p2, uint16_t *p3) {
+    __m256bh h1 = _mm512_cvtneps_pbh(v);
+    __m512 r1 = _mm512_sub_ps(v, widen(h1));
+    __m256bh h2 = _mm512_cvtneps_pbh(r1);
+    __m256bh h3 = _mm512_cvtneps_pbh(_mm512_sub_ps(r1, widen(h2)));
+    _mm256_storeu_si256((__m256i *)p1, (__m256i)h1);
+    _mm256_storeu_si256((__m256i *)p2, (__m256i)h2);
+    _mm256_storeu_si256((__m256i *)p3, (__m256i)h3);
+}
+
+static inline __m512 load16(const float *row, int64_t from, int64_t k, int valid) {
+    if (valid && from + 16 <= k) return _mm512_loadu_ps(row + from);
+    __mmask16 mask = (valid && from < k) ? (__mmask16)((1u << (k - from)) - 1u) : 0;
+    return _mm512_maskz_loadu_ps(mask, row + from);
+}
+
+/* w [n, k] float32 -> [n / 32][k / 32][part 3][half 2][16 input pairs][16 columns][2] bfloat16, the
+   tiles' VNNI order; zero past n and k. */
+void amx_pack_weight(const float *w, int64_t n, int64_t k, int64_t n_pad, int64_t k_pad, uint16_t *out,
+                     int64_t n_threads) {
+    const int64_t kbs = k_pad / 32;
+    #pragma omp parallel for num_threads(n_threads) schedule(static)
+    for (int64_t col = 0; col < n_pad; ++col) {
+        uint16_t parts[3][32];
+        const int64_t pair = col / 32, half = (col / 16) & 1, c = col & 15;
+        for (int64_t kb = 0; kb < kbs; ++kb) {
+            for (int j = 0; j < 32; j += 16)
+                split16(load16(w + col * k, kb * 32 + j, k, col < n), parts[0] + j, parts[1] + j, parts[2] + j);
+            uint16_t *block = out + (pair * kbs + kb) * BLOCK_ELEMS;
+            for (int p = 0; p < 3; ++p) {
+                uint16_t *tile = block + (p * 2 + half) * TILE_ELEMS;
+                for (int r = 0; r < 16; ++r) {
+                    tile[r * 32 + c * 2] = parts[p][2 * r];
+                    tile[r * 32 + c * 2 + 1] = parts[p][2 * r + 1];
+                }
+            }
+        }
+    }
+}
+
+/* 32 rows of x (row0 on; zero past m) -> [k / 32][part 3][half 2][16 rows][32] bfloat16. */
+static void split_rows(const float *x, int64_t x_stride, int64_t m, int64_t k, int64_t row0, int64_t k_pad,
+                       uint16_t *out) {
+    const int64_t kbs = k_pad / 32;
+    for (int64_t i = 0; i < 32; ++i) {
+        const int64_t row = row0 + i, half = i / 16, r = i & 15;
+        const float *src = x + row * x_stride;
+        for (int64_t kb = 0; kb < kbs; ++kb) {
+            uint16_t *dst = out + kb * BLOCK_ELEMS + (half * 16 + r) * 32;
+            for (int j = 0; j < 32; j += 16)
+                split16(load16(src, kb * 32 + j, k, row < m), dst + j, dst + 2 * TILE_ELEMS + j,
+                        dst + 4 * TILE_ELEMS + j);
+        }
+    }
+}
+
+/* Two A tiles (rows) times two B tiles (columns) into the four accumulators. */
+#define FOUR_PRODUCTS() do { \
+    _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7); _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7); \
+} while (0)
+
+/* A 32 x 32 output block over input blocks [kb0, kb1): the accumulators start at zero (first slab)
+   or from acc, and end in acc. The products go from the largest parts to the smallest. */
+static void block_32x32(const uint16_t *a, const uint16_t *b, int64_t kb0, int64_t kb1, float *acc,
+                        int64_t acc_stride, int first) {
+    const int64_t s = acc_stride * 4;
+    if (first) { _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3); }
+    else {
+        _tile_loadd(0, acc, s); _tile_loadd(1, acc + 16, s);
+        _tile_loadd(2, acc + 16 * acc_stride, s); _tile_loadd(3, acc + 16 * acc_stride + 16, s);
+    }
+    for (int64_t kb = kb0; kb < kb1; ++kb) {
+        const uint16_t *ak = a + kb * BLOCK_ELEMS, *bk = b + kb * BLOCK_ELEMS;
+        _tile_loadd(6, bk, 64); _tile_loadd(7, bk + TILE_ELEMS, 64);                  /* w1 */
+        _tile_loadd(4, ak, 64); _tile_loadd(5, ak + TILE_ELEMS, 64); FOUR_PRODUCTS(); /* x1 w1 */
+        _tile_loadd(4, ak + 2 * TILE_ELEMS, 64); _tile_loadd(5, ak + 3 * TILE_ELEMS, 64); FOUR_PRODUCTS(); /* x2 w1 */
+        _tile_loadd(4, ak + 4 * TILE_ELEMS, 64); _tile_loadd(5, ak + 5 * TILE_ELEMS, 64); FOUR_PRODUCTS(); /* x3 w1 */
+        _tile_loadd(6, bk + 2 * TILE_ELEMS, 64); _tile_loadd(7, bk + 3 * TILE_ELEMS, 64); /* w2 */
+        _tile_loadd(4, ak, 64); _tile_loadd(5, ak + TILE_ELEMS, 64); FOUR_PRODUCTS(); /* x1 w2 */
+        _tile_loadd(4, ak + 2 * TILE_ELEMS, 64); _tile_loadd(5, ak + 3 * TILE_ELEMS, 64); FOUR_PRODUCTS(); /* x2 w2 */
+        _tile_loadd(6, bk + 4 * TILE_ELEMS, 64); _tile_loadd(7, bk + 5 * TILE_ELEMS, 64); /* w3 */
+        _tile_loadd(4, ak, 64); _tile_loadd(5, ak + TILE_ELEMS, 64); FOUR_PRODUCTS(); /* x1 w3 */
+    }
+    _tile_stored(0, acc, s); _tile_stored(1, acc + 16, s);
+    _tile_stored(2, acc + 16 * acc_stride, s); _tile_stored(3, acc + 16 * acc_stride + 16, s);
+}
+
+/* y [m, n] = x [m, k] . w^T (+ bias), w packed by amx_pack_weight. split_ws holds chunk_rows_pad x
+   k_pad x 3 bfloat16, acc_ws chunk_rows_pad x n_pad floats. */
+void amx_gemm(const float *x, int64_t x_stride, int64_t m, int64_t k, const uint16_t *w, int64_t n,
+              int64_t n_pad, int64_t k_pad, const float *bias, float *y, uint16_t *split_ws, float *acc_ws,
+              int64_t chunk_rows, int64_t slab_blocks, int64_t n_threads) {
+    const int64_t kbs = k_pad / 32, pairs = n_pad / 32;
+    for (int64_t row0 = 0; row0 < m; row0 += chunk_rows) {
+        const int64_t rows = m - row0 < chunk_rows ? m - row0 : chunk_rows;
+        const int64_t row_blocks = (rows + 31) / 32;
+        #pragma omp parallel num_threads(n_threads)
+        {
+#ifdef _OPENMP
+            const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
+#else
+            const int64_t nt = 1, t = 0;
+#endif
+            for (int64_t rb = row_blocks * t / nt; rb < row_blocks * (t + 1) / nt; ++rb)
+                split_rows(x, x_stride, m, k, row0 + rb * 32, k_pad, split_ws + rb * kbs * BLOCK_ELEMS);
+            #pragma omp barrier
+            configure_tiles();
+            const int64_t p0 = pairs * t / nt, p1 = pairs * (t + 1) / nt;
+            for (int64_t kb0 = 0; kb0 < kbs; kb0 += slab_blocks) {
+                const int64_t kb1 = kb0 + slab_blocks < kbs ? kb0 + slab_blocks : kbs;
+                for (int64_t p = p0; p < p1; ++p)
+                    for (int64_t rb = 0; rb < row_blocks; ++rb)
+                        block_32x32(split_ws + rb * kbs * BLOCK_ELEMS, w + p * kbs * BLOCK_ELEMS, kb0, kb1,
+                                    acc_ws + rb * 32 * n_pad + p * 32, n_pad, kb0 == 0);
+            }
+            _tile_release();
+            /* This thread's columns are final: out with the bias. */
+            const int64_t c0 = p0 * 32, c1 = p1 * 32 < n ? p1 * 32 : n;
+            for (int64_t r = 0; r < rows && c1 > c0; ++r) {
+                float *dst = y + (row0 + r) * n;
+                const float *src = acc_ws + r * n_pad;
+                if (bias) for (int64_t j = c0; j < c1; ++j) dst[j] = src[j] + bias[j];
+                else memcpy(dst + c0, src + c0, (size_t)(c1 - c0) * sizeof(float));
+            }
+        }
+    }
+}
+#if defined(__clang__)
+#pragma clang attribute pop
+#endif
+"""
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.amx_request_permission.argtypes = []
+    lib.amx_request_permission.restype = ctypes.c_int
+    lib.amx_pack_weight.argtypes = [ptr, i64, i64, i64, i64, ptr, i64]
+    lib.amx_pack_weight.restype = None
+    lib.amx_gemm.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, ptr, ptr, ptr, i64, i64, i64]
+    lib.amx_gemm.restype = None
+
+
+_library = OnDemandLibrary("cpu_amx_gemm", _SOURCE, "AMX split-bfloat16 GEMM", _declare)
+_lock = threading.Lock()
+_ready: bool | None = None
+_workspaces = threading.local()  # each thread's split rows and partial sums (steps in parts run side by side)
+
+_NEEDED_FLAGS = ("amx_bf16", "amx_tile", "avx512_bf16")
+
+
+def _cpu_has_amx() -> bool:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return all(flag in flags for flag in _NEEDED_FLAGS)
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+class SplitWeight:
+    """A float32 weight [out, in] split into three bfloat16 parts and packed for the tiles."""
+
+    __slots__ = ("n", "k", "n_pad", "k_pad", "packed")
+
+    def __init__(self, weight: torch.Tensor):
+        lib = _library.get()
+        if lib is None:
+            raise RuntimeError("the AMX GEMM library is not available")
+        self.n, self.k = weight.shape
+        self.n_pad, self.k_pad = _round_up(self.n, 32), _round_up(self.k, 32)
+        w = weight.detach().contiguous()
+        self.packed = torch.empty(self.n_pad * self.k_pad * 3, dtype=torch.int16)
+        lib.amx_pack_weight(w.data_ptr(), self.n, self.k, self.n_pad, self.k_pad, self.packed.data_ptr(),
+                            torch.get_num_threads())
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [m, in] (rows may be strided) @ weight.T + bias, float32 [m, out]."""
+        if x.dim() != 2 or x.shape[1] != self.k or x.dtype != torch.float32 or x.stride(1) != 1:
+            x = x.reshape(-1, self.k).float().contiguous()
+        m = x.shape[0]
+        y = torch.empty(m, self.n)
+        if m == 0:
+            return y
+        if bias is not None:
+            bias = bias.detach().float().contiguous()
+        rows_pad = min(_round_up(m, 32), CHUNK_ROWS)
+        split_ws, acc_ws = _workspace(rows_pad * self.k_pad * 3, rows_pad * self.n_pad)
+        kbs = self.k_pad // 32
+        slab_blocks = max(1, SLAB_BYTES // (rows_pad * 32 * 6))
+        slabs = -(-kbs // slab_blocks)
+        slab_blocks = -(-kbs // slabs)  # equal slabs
+        _library.get().amx_gemm(
+            x.data_ptr(), x.stride(0), m, self.k, self.packed.data_ptr(), self.n, self.n_pad, self.k_pad,
+            bias.data_ptr() if bias is not None else None, y.data_ptr(), split_ws.data_ptr(), acc_ws.data_ptr(),
+            CHUNK_ROWS, slab_blocks, torch.get_num_threads(),
+        )
+        return y
+
+
+def _workspace(split_elems: int, acc_elems: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This thread's workspaces, grown to at least the sizes asked (kept: every step needs them)."""
+    split = getattr(_workspaces, "split", None)
+    if split is None or split.numel() < split_elems:
+        split = _workspaces.split = torch.empty(split_elems, dtype=torch.int16)
+    acc = getattr(_workspaces, "acc", None)
+    if acc is None or acc.numel() < acc_elems:
+        acc = _workspaces.acc = torch.empty(acc_elems, dtype=torch.float32)
+    return split, acc
+
+
+def _self_check() -> bool:
+    """Products of awkward shapes (tails of rows, columns and inputs, two slabs, a bias) against
+    float64: a kernel that is wrong on this CPU turns the path off instead of serving wrong logits."""
+    gen = torch.Generator().manual_seed(0)
+    for m, k, n in ((5, 40, 48), (260, 1100, 33), (70, 96, 70)):
+        weight = torch.randn(n, k, generator=gen) * torch.logspace(-2, 2, k)
+        x = torch.randn(m, k, generator=gen)
+        bias = torch.randn(n, generator=gen)
+        got = SplitWeight(weight).linear(x, bias).double()
+        want = x.double() @ weight.double().T + bias.double()
+        scale = x.double().abs() @ weight.double().abs().T + bias.double().abs()
+        if not bool(((got - want).abs() <= SELF_CHECK_BOUND * scale).all()):
+            return False
+    return True
+
+
+def available() -> bool:
+    """True when float32 weights can run on the AMX split kernel here (checked once per process)."""
+    global _ready
+    if switch(DISABLE_ENV) is False:
+        return False
+    with _lock:
+        if _ready is None:
+            _ready = False
+            if not _cpu_has_amx():
+                log.info("no AMX on this CPU: float32 GEMMs stay on oneDNN / MKL")
+            elif (lib := _library.get()) is None:
+                log.info("the AMX GEMM did not build: float32 GEMMs stay on oneDNN / MKL")
+            elif not lib.amx_request_permission():
+                log.info("the kernel refused the AMX tile state: float32 GEMMs stay on oneDNN / MKL")
+            else:
+                with torch.inference_mode():
+                    _ready = _self_check()
+                if not _ready:
+                    log.warning("the AMX GEMM failed its self-check: float32 GEMMs stay on oneDNN / MKL")
+        return _ready
+
+
+def forced() -> bool | None:
+    """The switch: True (on for every float32 CPU model), False (off), None (cpu_gemm's rule)."""
+    return switch(DISABLE_ENV)
