@@ -116,16 +116,17 @@ def test_the_layers_choice(monkeypatch, has_amx):
     monkeypatch.setattr(cpu_amx_gemm, "available", lambda: has_amx)
     monkeypatch.delenv(cpu_gemm.LAYERS_ENV, raising=False)
     monkeypatch.delenv(cpu_amx_gemm.DISABLE_ENV, raising=False)
-    packed = "amx" if has_amx else ("onednn" if cpu_gemm.available() else "mkl")
-    assert cpu_gemm.layer_gemm(256) == "mkl"  # small models keep MKL's bits (transformers' own)
-    assert cpu_gemm.layer_gemm(cpu_gemm.LAYERS_MIN_HIDDEN) == packed
-    monkeypatch.setenv(cpu_amx_gemm.DISABLE_ENV, "1")  # AMX at any size, where there is AMX
-    assert cpu_gemm.layer_gemm(64) == ("amx" if has_amx else "mkl")
-    monkeypatch.setenv(cpu_amx_gemm.DISABLE_ENV, "0")
-    assert cpu_gemm.layer_gemm(4096) == ("onednn" if cpu_gemm.available() else "mkl")
-    monkeypatch.delenv(cpu_amx_gemm.DISABLE_ENV)
+    onednn = "onednn" if cpu_gemm.available() else "mkl"
+    # With AMX every size takes it; without, small models keep MKL (transformers' own bits).
+    assert cpu_gemm.layer_gemm(256) == ("amx" if has_amx else "mkl")
+    assert cpu_gemm.layer_gemm(cpu_gemm.LAYERS_MIN_HIDDEN) == ("amx" if has_amx else onednn)
     monkeypatch.setenv(cpu_gemm.LAYERS_ENV, "0")
+    assert cpu_gemm.layer_gemm(4096) == ("amx" if has_amx else "mkl")
+    monkeypatch.setenv(cpu_amx_gemm.DISABLE_ENV, "0")
     assert cpu_gemm.layer_gemm(4096) == "mkl"
+    monkeypatch.delenv(cpu_gemm.LAYERS_ENV)
+    assert cpu_gemm.layer_gemm(4096) == onednn
+    assert cpu_gemm.layer_gemm(256) == "mkl"
 
 
 @needs_amx

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from worker.engine import cpu_gemm
+from worker.engine import cpu_amx_gemm, cpu_gemm
 from worker.engine.attention.torch_backend import TorchAttentionBackend
 from worker.engine.loader import load_model
 
@@ -75,7 +75,8 @@ def test_only_float32_cpu_weights_are_packed(monkeypatch):
     assert torch.equal(cpu_gemm.linear(x, weight, None, None), F.linear(x, weight))
 
 
-def test_a_loaded_model_packs_its_lm_head_and_keeps_the_layers_on_f_linear(tiny_model_dir):
+def test_a_loaded_model_packs_its_lm_head_and_keeps_the_layers_on_f_linear(tiny_model_dir, monkeypatch):
+    monkeypatch.setenv(cpu_amx_gemm.DISABLE_ENV, "0")  # a CPU with AMX puts every model's layers there
     model, _ = load_model(tiny_model_dir, attention_backend=TorchAttentionBackend())
     assert model.config.hidden_size < cpu_gemm.LAYERS_MIN_HIDDEN
     assert all(layer._packed is None for layer in model.layers)
@@ -142,6 +143,7 @@ def test_a_wide_model_runs_its_projections_on_onednn_and_keeps_transformers_gree
     from worker.engine import Engine, EngineConfig, EngineRequest, SamplingParams
 
     monkeypatch.delenv(cpu_gemm.LAYERS_ENV, raising=False)
+    monkeypatch.setenv(cpu_amx_gemm.DISABLE_ENV, "0")  # a CPU with AMX would take that kernel instead
     model, _ = load_model(wide_model_dir, attention_backend=TorchAttentionBackend())
     assert all(layer._packed is not None for layer in model.layers)
     layer = model.layers[0]

@@ -43,7 +43,7 @@ from worker.engine.switches import switch
 
 log = logging.getLogger(__name__)
 
-DISABLE_ENV = "TOKENMILL_AMX_GEMM"  # "0": never; "1": also the models cpu_gemm keeps on MKL
+DISABLE_ENV = "TOKENMILL_AMX_GEMM"  # "0": float32 GEMMs never on AMX
 
 # Rows per pass: the split rows of a pass (rows x K x 6 bytes) stay in the core's L2 while every
 # column block reads them.
@@ -353,5 +353,5 @@ def available() -> bool:
 
 
 def forced() -> bool | None:
-    """The switch: True (on for every float32 CPU model), False (off), None (cpu_gemm's rule)."""
+    """The switch as set: False (off), True or None (on where available)."""
     return switch(DISABLE_ENV)

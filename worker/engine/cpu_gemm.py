@@ -15,8 +15,8 @@ against 1.2332988); so small models keep MKL's F.linear, the same bits as transf
 SmolLM2's (hidden 576, intermediate 1536) oneDNN, padded, is 1.09-1.25x MKL on one thread and
 1.06-1.32x on two at 37-2,048 rows, and the layers' GEMMs are two thirds of its step: from a hidden
 size of 512 (LAYERS_MIN_HIDDEN) the projections go to oneDNN too. This is also vLLM's CPU path.
-On a CPU with AMX tiles those projections go instead to the split-bfloat16 kernel of
-cpu_amx_gemm.py (float32's accuracy at 1.4-1.9x oneDNN's float32 speed); layer_gemm() decides.
+On a CPU with AMX tiles every model's projections go instead to the split-bfloat16 kernel of
+cpu_amx_gemm.py (float32's accuracy, faster than both); layer_gemm() decides.
 
 A row's logits are the same bits at any row count and any thread count (MKL's F.linear changes its
 summation order with the row count), and within float32 rounding of F.linear (tests/test_cpu_gemm.py).
@@ -109,18 +109,17 @@ def layers_on_onednn(hidden_size: int) -> bool:
 def layer_gemm(hidden_size: int) -> str:
     """Which GEMM a float32 CPU model's layer projections use: "amx", "onednn" or "mkl".
 
-    The size rule (or TOKENMILL_ONEDNN_LAYERS) says whether the projections leave MKL; where they do,
-    they take the AMX split kernel (cpu_amx_gemm.py) when the CPU has AMX, else oneDNN.
-    TOKENMILL_AMX_GEMM=1 puts them on AMX at any size, =0 never."""
-    amx = cpu_amx_gemm.forced()
-    if amx and cpu_amx_gemm.available():
+    Where the CPU has AMX, every size takes the split kernel (cpu_amx_gemm.py): it is faster than
+    both others at every shape measured, and its logits are closer to float64's than MKL's, with
+    the same bits at any batch size (MKL's change with the row count). tiny-llama's `mixed` set has
+    a step whose top two logits are 3.8e-7 apart in float64: MKL inside a batch picked the other
+    one, the AMX kernel the right one, as transformers and vLLM do. Without AMX the size rule (or
+    TOKENMILL_ONEDNN_LAYERS) picks oneDNN or MKL. TOKENMILL_AMX_GEMM=0 turns AMX off."""
+    if cpu_amx_gemm.forced() is not False and cpu_amx_gemm.available():
         return "amx"
     forced = switch(LAYERS_ENV)
-    if not (hidden_size >= LAYERS_MIN_HIDDEN if forced is None else forced):
-        return "mkl"
-    if amx is not False and cpu_amx_gemm.available():
-        return "amx"
-    return "onednn" if available() else "mkl"
+    wanted = hidden_size >= LAYERS_MIN_HIDDEN if forced is None else forced
+    return "onednn" if wanted and available() else "mkl"
 
 
 class PackedWeight:
