@@ -153,3 +153,29 @@ def test_a_wide_model_on_amx_keeps_transformers_greedy_path(tmp_path, monkeypatc
                                          sampling=SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
                            for i, p in enumerate(prompts)])
     assert [list(res[f"w{i}"].output_token_ids) for i in range(len(prompts))] == want
+
+
+@needs_amx
+def test_silu_mul_folded_into_the_split_is_as_accurate_as_torchs():
+    from worker.engine.layers import silu_and_mul
+
+    g = torch.Generator().manual_seed(6)
+    gate_up = torch.randn(70, 2 * 200, generator=g) * 6
+    gate_up[0, :8] = torch.tensor([0.0, -0.0, 100.0, -100.0, 88.0, -88.0, 1e-30, -1e-30])  # exp's edges
+    weight = torch.randn(96, 200, generator=g) * 0.05
+    split = cpu_amx_gemm.SplitWeight(weight)
+    got = split.linear_silu_mul(gate_up)
+    assert got.shape == (70, 96) and bool(got.isfinite().all())
+    h64 = gate_up[:, :200].double() / (1 + torch.exp(-gate_up[:, :200].double())) * gate_up[:, 200:].double()
+    want = h64 @ weight.double().T
+    scale = h64.abs() @ weight.double().abs().T
+    assert ((got.double() - want).abs() / scale).max().item() < cpu_amx_gemm.SELF_CHECK_BOUND
+    # Through an identity weight the output is the folded input itself: within a few ulp of torch's
+    # layer (its exp is another float32 implementation), and as close to float64 as torch's.
+    eye = cpu_amx_gemm.SplitWeight(torch.eye(200))
+    folded, torch_layer = eye.linear_silu_mul(gate_up), silu_and_mul(gate_up)
+    torch.testing.assert_close(folded, torch_layer, rtol=5e-7, atol=1e-30)
+    err = ((folded.double() - h64).abs() / h64.abs().clamp_min(1e-30)).max().item()
+    torch_err = ((torch_layer.double() - h64).abs() / h64.abs().clamp_min(1e-30)).max().item()
+    assert err < 2 * torch_err + 1e-7
+    assert torch.equal(split.linear_silu_mul(gate_up[:9]), got[:9])  # rows independent here too

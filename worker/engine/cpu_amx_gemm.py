@@ -139,9 +139,36 @@ void amx_pack_weight(const float *w, int64_t n, int64_t k, int64_t n_pad, int64_
     }
 }
 
+/* exp(x) for 16 floats, within 1 ulp: x = n ln2 + r (Cody-Waite, |r| <= ln2 / 2), e^r by Cephes'
+   expf polynomial, then times 2^n by scalef (which gives inf past 88.7 and 0 below -104). */
+static inline __m512 exp16(__m512 x) {
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* The input of a row at `from`: x itself, or with silu_mul (x = [gate | up], k wide each) SiLU(gate)
+   * up, computed as the torch layer does: gate / (1 + exp(-gate)) * up. */
+static inline __m512 input16(const float *row, int64_t from, int64_t k, int valid, int silu_mul) {
+    __m512 v = load16(row, from, k, valid);
+    if (!silu_mul) return v;
+    const __m512 up = load16(row + k, from, k, valid);
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), v));
+    return _mm512_mul_ps(_mm512_div_ps(v, _mm512_add_ps(_mm512_set1_ps(1.0f), e)), up);
+}
+
 /* 32 rows of x (row0 on; zero past m) -> [k / 32][part 3][half 2][16 rows][32] bfloat16. */
 static void split_rows(const float *x, int64_t x_stride, int64_t m, int64_t k, int64_t row0, int64_t k_pad,
-                       uint16_t *out) {
+                       int silu_mul, uint16_t *out) {
     const int64_t kbs = k_pad / 32;
     for (int64_t i = 0; i < 32; ++i) {
         const int64_t row = row0 + i, half = i / 16, r = i & 15;
@@ -149,7 +176,7 @@ static void split_rows(const float *x, int64_t x_stride, int64_t m, int64_t k, i
         for (int64_t kb = 0; kb < kbs; ++kb) {
             uint16_t *dst = out + kb * BLOCK_ELEMS + (half * 16 + r) * 32;
             for (int j = 0; j < 32; j += 16)
-                split16(load16(src, kb * 32 + j, k, row < m), dst + j, dst + 2 * TILE_ELEMS + j,
+                split16(input16(src, kb * 32 + j, k, row < m, silu_mul), dst + j, dst + 2 * TILE_ELEMS + j,
                         dst + 4 * TILE_ELEMS + j);
         }
     }
@@ -189,10 +216,11 @@ static void block_32x32(const uint16_t *a, const uint16_t *b, int64_t kb0, int64
 /* y [m, n] = x [m, k] . w^T (+ bias), w packed by amx_pack_weight. split_ws holds chunk_rows_pad x
    k_pad x 3 bfloat16, acc_ws chunk_rows_pad x n_pad floats. The threads split the output by rows
    (by_rows: each splits and multiplies its own rows by all of w) or by columns (each multiplies all
-   rows, split by all threads first, by its share of w). */
+   rows, split by all threads first, by its share of w). With silu_mul, x is [m, 2k], the gate and up
+   projections side by side, and the product's input is SiLU(gate) * up. */
 void amx_gemm(const float *x, int64_t x_stride, int64_t m, int64_t k, const uint16_t *w, int64_t n,
               int64_t n_pad, int64_t k_pad, const float *bias, float *y, uint16_t *split_ws, float *acc_ws,
-              int64_t chunk_rows, int64_t slab_blocks, int64_t n_threads, int64_t by_rows) {
+              int64_t chunk_rows, int64_t slab_blocks, int64_t n_threads, int64_t by_rows, int64_t silu_mul) {
     const int64_t kbs = k_pad / 32, pairs = n_pad / 32;
     for (int64_t row0 = 0; row0 < m; row0 += chunk_rows) {
         const int64_t rows = m - row0 < chunk_rows ? m - row0 : chunk_rows;
@@ -206,7 +234,7 @@ void amx_gemm(const float *x, int64_t x_stride, int64_t m, int64_t k, const uint
 #endif
             const int64_t split0 = row_blocks * t / nt, split1 = row_blocks * (t + 1) / nt;
             for (int64_t rb = split0; rb < split1; ++rb)
-                split_rows(x, x_stride, m, k, row0 + rb * 32, k_pad, split_ws + rb * kbs * BLOCK_ELEMS);
+                split_rows(x, x_stride, m, k, row0 + rb * 32, k_pad, (int)silu_mul, split_ws + rb * kbs * BLOCK_ELEMS);
             int64_t rb0 = 0, rb1 = row_blocks, p0 = 0, p1 = pairs;
             if (by_rows) { rb0 = split0; rb1 = split1; }
             else {
@@ -246,7 +274,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.amx_request_permission.restype = ctypes.c_int
     lib.amx_pack_weight.argtypes = [ptr, i64, i64, i64, i64, ptr, i64]
     lib.amx_pack_weight.restype = None
-    lib.amx_gemm.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64]
+    lib.amx_gemm.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64]
     lib.amx_gemm.restype = None
 
 
@@ -277,9 +305,11 @@ class SplitWeight:
     __slots__ = ("n", "k", "n_pad", "k_pad", "packed")
 
     def __init__(self, weight: torch.Tensor):
-        lib = _library.get()
+        # available() also asks the kernel for the tile state: without it the first tile
+        # instruction kills the process (SIGILL).
+        lib = _library.get() if _ready or available() else None
         if lib is None:
-            raise RuntimeError("the AMX GEMM library is not available")
+            raise RuntimeError("the AMX GEMM is not available on this machine (cpu_amx_gemm.available())")
         self.n, self.k = weight.shape
         self.n_pad, self.k_pad = _round_up(self.n, 32), _round_up(self.k, 32)
         w = weight.detach().contiguous()
@@ -289,8 +319,18 @@ class SplitWeight:
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [m, in] (rows may be strided) @ weight.T + bias, float32 [m, out]."""
-        if x.dim() != 2 or x.shape[1] != self.k or x.dtype != torch.float32 or x.stride(1) != 1:
-            x = x.reshape(-1, self.k).float().contiguous()
+        return self._gemm(x, bias, silu_mul=False)
+
+    def linear_silu_mul(self, gate_up: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """(SiLU(gate) * up) @ weight.T + bias for gate_up = [gate | up] [m, 2 * in]: the MLP's down
+        projection with layers.silu_and_mul folded into the split of its rows, so the product of the
+        two never goes to memory (one pass over [m, 2 * in] instead of three)."""
+        return self._gemm(gate_up, bias, silu_mul=True)
+
+    def _gemm(self, x: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool) -> torch.Tensor:
+        width = 2 * self.k if silu_mul else self.k
+        if x.dim() != 2 or x.shape[1] != width or x.dtype != torch.float32 or x.stride(1) != 1:
+            x = x.reshape(-1, width).float().contiguous()
         m = x.shape[0]
         y = torch.empty(m, self.n)
         if m == 0:
@@ -307,7 +347,7 @@ class SplitWeight:
         _library.get().amx_gemm(
             x.data_ptr(), x.stride(0), m, self.k, self.packed.data_ptr(), self.n, self.n_pad, self.k_pad,
             bias.data_ptr() if bias is not None else None, y.data_ptr(), split_ws.data_ptr(), acc_ws.data_ptr(),
-            CHUNK_ROWS, slab_blocks, threads, _split_by_rows(rows_pad // 32, threads),
+            CHUNK_ROWS, slab_blocks, threads, _split_by_rows(rows_pad // 32, threads), silu_mul,
         )
         return y
 
@@ -362,6 +402,7 @@ def available() -> bool:
             elif not lib.amx_request_permission():
                 log.info("the kernel refused the AMX tile state: float32 GEMMs stay on oneDNN / MKL")
             else:
+                _ready = True  # for the self-check's own SplitWeights; reset below if it fails
                 with torch.inference_mode():
                     _ready = _self_check()
                 if not _ready:

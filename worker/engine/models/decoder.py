@@ -85,8 +85,14 @@ class DecoderLayer(nn.Module):
                 return x, x
             residual = residual.index_select(0, output_rows.index)
         x, residual = ops.add_rms_norm(x, residual, self.post_attention_norm, self.eps)
-        x = self._linear(ops.silu_and_mul(self._linear(x, "gate_up_weight")), "down_weight")
-        return x, residual
+        return self._mlp(x, ops), residual
+
+    def _mlp(self, x: torch.Tensor, ops: TorchOps | TritonOps) -> torch.Tensor:
+        gate_up = self._linear(x, "gate_up_weight")
+        if self._packed is not None and self._packed["down_weight"].kind == "amx":
+            # SiLU x mul folded into the down projection's split of its rows (cpu_amx_gemm.py).
+            return self._packed["down_weight"].packed().linear_silu_mul(gate_up)
+        return self._linear(ops.silu_and_mul(gate_up), "down_weight")
 
     def _attention(self, x, rope, meta, kv_cache, backend, ops, output_rows=None) -> torch.Tensor:
         t = x.shape[0]
