@@ -123,7 +123,7 @@ def _instrument(stack: ExitStack, timer: PartTimer) -> None:
     _patch(stack, cpu_decode_kernel, "paged_decode_attention", lambda fn: _kernel_split(timer, fn))
     _patch(stack, F, "linear", lambda fn: timer.wrap(linear_part, fn))
     _patch(stack, cpu_gemm, "linear", lambda fn: timer.wrap(linear_part, fn))
-    _patch(stack, cpu_amx_gemm.SplitWeight, "linear", lambda fn: timer.wrap(linear_part, fn))
+    _patch(stack, cpu_amx_gemm.SplitWeight, "_gemm", lambda fn: timer.wrap(linear_part, fn))
     _patch(stack, decoder_module, "rms_norm", lambda fn: timer.wrap("element-wise", fn))  # Qwen3's q/k norm
 
 
@@ -151,7 +151,7 @@ def _kernel_split(timer: PartTimer, fn: Callable) -> Callable:
     return call
 
 
-def profile_once(model: str, threads: int, num_requests: int, seed: int = 0) -> dict[str, Any]:
+def profile_once(model: str, threads: int, num_requests: int, seed: int = 0, kv_cache_gb: float = 4.0) -> dict[str, Any]:
     """One thread count, in this process: the timed run, then an untimed run of the same requests."""
     import torch
 
@@ -165,7 +165,8 @@ def profile_once(model: str, threads: int, num_requests: int, seed: int = 0) -> 
     work = mixed_workload(mc.vocab_size, num_requests, seed, set(mc.eos_token_ids))  # as `tokenmill bench`
     # Prefix caching off: the untimed run repeats the timed run's prompts and must not find them
     # cached (the bench's random prompts share no block, so its runs lose nothing by this).
-    engine = Engine(EngineConfig(model=str(model_dir), enable_prefix_caching=False, cpu_threads=threads))
+    engine = Engine(EngineConfig(model=str(model_dir), enable_prefix_caching=False, cpu_threads=threads,
+                                 kv_cache_gb=kv_cache_gb))
     engine.generate(_engine_requests(warm_up_workload(), "warm"))
 
     # The timers time one thread at a time: steps cut into parts (cpu_step_parts.py) would run the
@@ -203,10 +204,10 @@ def profile_once(model: str, threads: int, num_requests: int, seed: int = 0) -> 
     }
 
 
-def _child(model: str, threads: int, num_requests: int) -> dict[str, Any]:
+def _child(model: str, threads: int, num_requests: int, kv_cache_gb: float) -> dict[str, Any]:
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     cmd = [sys.executable, "-m", "tools.profile_step", "--model", model, "--threads", str(threads),
-           "--num-requests", str(num_requests), "--child"]
+           "--num-requests", str(num_requests), "--kv-cache-gb", str(kv_cache_gb), "--child"]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if out.returncode != 0:
         raise RuntimeError(f"profile run at {threads} thread(s) failed:\n{out.stderr[-3000:]}")
@@ -248,15 +249,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="tiny-llama", help="tiny-llama, smollm2, or a checkpoint directory")
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     p.add_argument("--num-requests", type=int, default=256)
+    p.add_argument("--kv-cache-gb", type=float, default=4.0,
+                   help="KV cache size; 4 GiB as the side-by-side with vLLM, so SmolLM2's 256 requests need no preemption")
     p.add_argument("--json", help="write the runs here")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if any(t < 1 for t in args.threads):
         p.error("--threads must be >= 1")
     if args.child:
-        print(json.dumps(profile_once(args.model, args.threads[0], args.num_requests)))
+        print(json.dumps(profile_once(args.model, args.threads[0], args.num_requests, kv_cache_gb=args.kv_cache_gb)))
         return 0
-    runs = [_child(args.model, t, args.num_requests) for t in args.threads]
+    runs = [_child(args.model, t, args.num_requests, args.kv_cache_gb) for t in args.threads]
     print(format_table(runs))
     if args.json:
         with open(args.json, "w") as f:

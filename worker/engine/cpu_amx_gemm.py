@@ -55,7 +55,9 @@ SLAB_BYTES = 640 * 1024
 # split leaves (1-2e-7 measured), still below what oneDNN's float32 GEMM shows on the same data.
 SELF_CHECK_BOUND = 8e-7
 
-_SOURCE = r"""
+# What every AMX kernel of the project shares (the attention prefill kernel includes it too): the
+# build target, the tile state, the three-part split, exp and one 32 x 32 block of products.
+TILES_SOURCE = r"""
 #if defined(__clang__)
 #pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16"))), apply_to = function)
 #else
@@ -115,25 +117,21 @@ static inline __m512 load16(const float *row, int64_t from, int64_t k, int valid
     return _mm512_maskz_loadu_ps(mask, row + from);
 }
 
-/* w [n, k] float32 -> [n / 32][k / 32][part 3][half 2][16 input pairs][16 columns][2] bfloat16, the
-   tiles' VNNI order; zero past n and k. */
-void amx_pack_weight(const float *w, int64_t n, int64_t k, int64_t n_pad, int64_t k_pad, uint16_t *out,
-                     int64_t n_threads) {
-    const int64_t kbs = k_pad / 32;
-    #pragma omp parallel for num_threads(n_threads) schedule(static)
-    for (int64_t col = 0; col < n_pad; ++col) {
-        uint16_t parts[3][32];
-        const int64_t pair = col / 32, half = (col / 16) & 1, c = col & 15;
-        for (int64_t kb = 0; kb < kbs; ++kb) {
-            for (int j = 0; j < 32; j += 16)
-                split16(load16(w + col * k, kb * 32 + j, k, col < n), parts[0] + j, parts[1] + j, parts[2] + j);
-            uint16_t *block = out + (pair * kbs + kb) * BLOCK_ELEMS;
-            for (int p = 0; p < 3; ++p) {
-                uint16_t *tile = block + (p * 2 + half) * TILE_ELEMS;
-                for (int r = 0; r < 16; ++r) {
-                    tile[r * 32 + c * 2] = parts[p][2 * r];
-                    tile[r * 32 + c * 2 + 1] = parts[p][2 * r + 1];
-                }
+/* Column `col` of a packed B operand (a weight row, or a cached key) from its k floats at `src` (zeros
+   where !valid): [col / 32][k / 32][part 3][half 2][16 input pairs][16 columns][2] bfloat16, the
+   tiles' VNNI order, kbs = k_pad / 32 input blocks. */
+static void pack_column(const float *src, int64_t k, int valid, int64_t col, int64_t kbs, uint16_t *out) {
+    uint16_t parts[3][32];
+    const int64_t pair = col / 32, half = (col / 16) & 1, c = col & 15;
+    for (int64_t kb = 0; kb < kbs; ++kb) {
+        for (int j = 0; j < 32; j += 16)
+            split16(load16(src, kb * 32 + j, k, valid), parts[0] + j, parts[1] + j, parts[2] + j);
+        uint16_t *block = out + (pair * kbs + kb) * BLOCK_ELEMS;
+        for (int p = 0; p < 3; ++p) {
+            uint16_t *tile = block + (p * 2 + half) * TILE_ELEMS;
+            for (int r = 0; r < 16; ++r) {
+                tile[r * 32 + c * 2] = parts[p][2 * r];
+                tile[r * 32 + c * 2 + 1] = parts[p][2 * r + 1];
             }
         }
     }
@@ -166,19 +164,15 @@ static inline __m512 input16(const float *row, int64_t from, int64_t k, int vali
     return _mm512_mul_ps(_mm512_div_ps(v, _mm512_add_ps(_mm512_set1_ps(1.0f), e)), up);
 }
 
-/* 32 rows of x (row0 on; zero past m) -> [k / 32][part 3][half 2][16 rows][32] bfloat16. */
-static void split_rows(const float *x, int64_t x_stride, int64_t m, int64_t k, int64_t row0, int64_t k_pad,
-                       int silu_mul, uint16_t *out) {
-    const int64_t kbs = k_pad / 32;
-    for (int64_t i = 0; i < 32; ++i) {
-        const int64_t row = row0 + i, half = i / 16, r = i & 15;
-        const float *src = x + row * x_stride;
-        for (int64_t kb = 0; kb < kbs; ++kb) {
-            uint16_t *dst = out + kb * BLOCK_ELEMS + (half * 16 + r) * 32;
-            for (int j = 0; j < 32; j += 16)
-                split16(input16(src, kb * 32 + j, k, row < m, silu_mul), dst + j, dst + 2 * TILE_ELEMS + j,
-                        dst + 4 * TILE_ELEMS + j);
-        }
+/* Row i (0-31) of a packed A operand from its k inputs at `src` (zeros where !valid):
+   [k / 32][part 3][half 2][16 rows][32] bfloat16, kbs = k_pad / 32 input blocks. */
+static void split_row(const float *src, int64_t k, int valid, int silu_mul, int64_t i, int64_t kbs, uint16_t *out) {
+    const int64_t half = i / 16, r = i & 15;
+    for (int64_t kb = 0; kb < kbs; ++kb) {
+        uint16_t *dst = out + kb * BLOCK_ELEMS + (half * 16 + r) * 32;
+        for (int j = 0; j < 32; j += 16)
+            split16(input16(src, kb * 32 + j, k, valid, silu_mul), dst + j, dst + 2 * TILE_ELEMS + j,
+                    dst + 4 * TILE_ELEMS + j);
     }
 }
 
@@ -211,6 +205,31 @@ static void block_32x32(const uint16_t *a, const uint16_t *b, int64_t kb0, int64
     }
     _tile_stored(0, acc, s); _tile_stored(1, acc + 16, s);
     _tile_stored(2, acc + 16 * acc_stride, s); _tile_stored(3, acc + 16 * acc_stride + 16, s);
+}
+
+"""
+
+SOURCE_TAIL = r"""
+#if defined(__clang__)
+#pragma clang attribute pop
+#endif
+"""
+
+_SOURCE = TILES_SOURCE + r"""
+/* w [n, k] float32 -> [n / 32][k / 32][part 3][half 2][16 input pairs][16 columns][2] bfloat16, the
+   tiles' VNNI order; zero past n and k. */
+void amx_pack_weight(const float *w, int64_t n, int64_t k, int64_t n_pad, int64_t k_pad, uint16_t *out,
+                     int64_t n_threads) {
+    #pragma omp parallel for num_threads(n_threads) schedule(static)
+    for (int64_t col = 0; col < n_pad; ++col)
+        pack_column(w + col * k, k, col < n, col, k_pad / 32, out);
+}
+
+/* 32 rows of x (row0 on; zero past m) -> [k / 32][part 3][half 2][16 rows][32] bfloat16. */
+static void split_rows(const float *x, int64_t x_stride, int64_t m, int64_t k, int64_t row0, int64_t k_pad,
+                       int silu_mul, uint16_t *out) {
+    for (int64_t i = 0; i < 32; ++i)
+        split_row(x + (row0 + i) * x_stride, k, row0 + i < m, silu_mul, i, k_pad / 32, out);
 }
 
 /* y [m, n] = x [m, k] . w^T (+ bias), w packed by amx_pack_weight. split_ws holds chunk_rows_pad x
@@ -262,10 +281,7 @@ void amx_gemm(const float *x, int64_t x_stride, int64_t m, int64_t k, const uint
         }
     }
 }
-#if defined(__clang__)
-#pragma clang attribute pop
-#endif
-"""
+""" + SOURCE_TAIL
 
 
 def _declare(lib: ctypes.CDLL) -> None:

@@ -11,6 +11,9 @@ How one attend() call is organised (per layer; the plan behind it is built once 
   SmolLM2's shapes (9 / 3 heads): 1.28x faster at 252 tokens on one thread, 1.41x on two; tiny-llama's
   (4 / 2): 1.13x and 1.98x. From 1,024 tokens each token rereading the row's keys from L3 costs more
   than SDPA's tiles (26.4 against 22.8 ms at 1,024 on SmolLM2's shapes), so longer rows keep SDPA.
+- Prefill rows of at least cpu_amx_prefill.MIN_TOKENS new tokens, at any length, on a CPU with AMX
+  tiles: the two GEMMs of each head on the tiles (attention/cpu_amx_prefill.py), about 2x the
+  kernel above at 200-500 tokens. Shorter rows (a chunk after a long context) stay token rows.
 - Decode rows otherwise (no C compiler, 16-bit, other devices) are sorted by context length and cut
   into buckets whose lengths are close, so padding stays small. Per bucket, one index_select gathers
   the rows' keys head-major into a reused workspace ([rows * kv_heads, length, head_dim]), likewise the values; then one baddbmm (scale
@@ -35,7 +38,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from worker.engine.attention import AttentionMetadata, cpu_decode_kernel
+from worker.engine.attention import AttentionMetadata, cpu_amx_prefill, cpu_decode_kernel
 
 # Decode bucketing: a bucket grows while its longest row has at most this factor more blocks than its
 # shortest (sorted ascending), so padded work is bounded by ~1.25x the real work; tiny buckets cost
@@ -90,6 +93,8 @@ class _StepPlan:
     prefill: list[_PrefillGroup]
     all_tokens_decode_in_order: bool  # output can be written without an index_copy
     kernel_rows: _KernelRows | None = None  # set instead of `decode` when the C kernel runs
+    # Prefill rows for the AMX kernel (cpu_amx_prefill.py): (first token, block table row, tokens, context).
+    amx_prefill: list[tuple[int, int, int, int]] | None = None
 
 
 class TorchAttentionBackend:
@@ -134,7 +139,8 @@ class TorchAttentionBackend:
             and key_cache.is_contiguous() and value_cache.is_contiguous()
             and query.stride(2) == 1 and query.stride(1) == query.shape[2]
         )
-        plan = self._plan_for(meta, key_cache, query.dtype, query.device, use_kernel)
+        plan = self._plan_for(meta, key_cache, query.dtype, query.device, use_kernel,
+                              use_kernel and cpu_amx_prefill.applies(query.shape[2]))
         if plan.all_tokens_decode_in_order and len(plan.decode) == 1:
             bucket = plan.decode[0]
             return self._decode(query, key_cache, value_cache, bucket, scale, rows_in_order=True)
@@ -145,6 +151,11 @@ class TorchAttentionBackend:
                 query, key_cache, value_cache, kd.block_tables, kd.token_index, kd.table_row, kd.seq_lens,
                 kd.max_len, out, scale,
             )
+        if plan.amx_prefill:
+            tables = plan.kernel_rows.block_tables
+            for start, row, tokens, context in plan.amx_prefill:
+                cpu_amx_prefill.prefill_attention(query, key_cache, value_cache, tables[row], start, tokens, context,
+                                                  out, scale)
         for bucket in plan.decode:
             out.index_copy_(0, bucket.token_index, self._decode(query, key_cache, value_cache, bucket, scale))
         for group in plan.prefill:
@@ -203,17 +214,17 @@ class TorchAttentionBackend:
 
     # -- per-step plan ------------------------------------------------------------------------
     def _plan_for(self, meta: AttentionMetadata, key_cache: torch.Tensor, dtype: torch.dtype,
-                  device: torch.device, use_kernel: bool) -> _StepPlan:
+                  device: torch.device, use_kernel: bool, use_amx_prefill: bool = False) -> _StepPlan:
         # Every layer of a step calls attend() with the same metadata: build the plan once. The key
         # includes the block table's version counter, so an in-place update of a reused metadata
         # object is never served a stale plan.
         num_blocks, block_size, num_kv_heads = key_cache.shape[:3]
-        key = (id(meta), meta.block_tables._version, key_cache.shape, dtype, device, use_kernel)
+        key = (id(meta), meta.block_tables._version, key_cache.shape, dtype, device, use_kernel, use_amx_prefill)
         state = self._state()
         if state.plan is not None and state.plan_key == key and state.plan_meta is meta:
             return state.plan
         state.plan = build_plan(meta, block_size, num_kv_heads, dtype, device, use_kernel=use_kernel,
-                                num_blocks=num_blocks)
+                                num_blocks=num_blocks, use_amx_prefill=use_amx_prefill)
         state.plan_key = key
         state.plan_meta = meta
         return state.plan
@@ -225,7 +236,9 @@ def _blocks_for(seq_len: int, block_size: int) -> int:
 
 def build_plan(meta: AttentionMetadata, block_size: int, num_kv_heads: int = 1,
                dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-               use_kernel: bool = False, num_blocks: int | None = None) -> _StepPlan:
+               use_kernel: bool = False, num_blocks: int | None = None, use_amx_prefill: bool = False) -> _StepPlan:
+    """use_amx_prefill (with use_kernel): prefill rows of at least cpu_amx_prefill.MIN_TOKENS new tokens
+    go to the AMX prefill kernel, at any length."""
     starts = meta.query_start_loc_cpu
     seq_lens = meta.seq_lens_cpu
     if len(starts) != len(seq_lens) + 1:
@@ -256,8 +269,12 @@ def build_plan(meta: AttentionMetadata, block_size: int, num_kv_heads: int = 1,
                       torch.tensor(decode_rows, dtype=torch.long),
                       torch.tensor([seq_lens[r] for r in decode_rows], dtype=torch.int32))] if use_kernel else []
     prefill: list[_PrefillGroup] = []
+    amx_prefill: list[tuple[int, int, int, int]] = []
     for (q_len, seq_len), rows in prefill_rows.items():
         context = seq_len - q_len
+        if use_kernel and use_amx_prefill and q_len >= cpu_amx_prefill.MIN_TOKENS:
+            amx_prefill += [(starts[r], r, q_len, context) for r in rows]
+            continue
         if use_kernel and seq_len <= KERNEL_PREFILL_MAX_LEN:
             for r in rows:  # query token i sits at position context + i and sees keys 0 .. context + i
                 kernel_pieces.append((torch.arange(starts[r], starts[r] + q_len),
@@ -287,7 +304,8 @@ def build_plan(meta: AttentionMetadata, block_size: int, num_kv_heads: int = 1,
             block_tables=in_table, token_index=token_index, table_row=table_row, seq_lens=lengths,
             max_len=int(lengths.max()) if lengths.numel() else 1,
         )
-        return _StepPlan(decode=[], prefill=prefill, all_tokens_decode_in_order=False, kernel_rows=kernel)
+        return _StepPlan(decode=[], prefill=prefill, all_tokens_decode_in_order=False, kernel_rows=kernel,
+                         amx_prefill=amx_prefill)
 
     decode: list[_DecodeBucket] = []
     decode_rows.sort(key=lambda r: seq_lens[r])

@@ -1,0 +1,83 @@
+"""Prefill attention on AMX tiles (worker/engine/attention/cpu_amx_prefill.py): as close to float64 as
+torch's SDPA or closer, for fresh prompts and chunks after context, blocks out of order, GQA; and the
+torch backend hands it the long prefill rows of a mixed step. Needs a CPU with AMX."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from worker.engine.attention import AttentionMetadata, cpu_amx_prefill
+from worker.engine.attention.torch_backend import TorchAttentionBackend, build_plan
+
+needs_amx = pytest.mark.skipif(not cpu_amx_prefill.available(), reason="this CPU has no AMX tiles (bf16)")
+
+
+def _cache(n_blocks, block_size, kv_heads, d, seed):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(n_blocks, block_size, kv_heads, d, generator=g),
+            torch.randn(n_blocks, block_size, kv_heads, d, generator=g))
+
+
+def _sdpa(q, keys, values, context, scale):
+    tokens, length = q.shape[0], keys.shape[0]
+    seen = torch.arange(length)[None, :] <= (context + torch.arange(tokens))[:, None]
+    return F.scaled_dot_product_attention(q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
+                                          attn_mask=seen, scale=scale, enable_gqa=True).transpose(0, 1)
+
+
+@needs_amx
+@pytest.mark.parametrize("context,tokens,heads,kv_heads,d", [
+    (0, 32, 4, 2, 32), (0, 45, 9, 3, 64), (0, 300, 9, 3, 64), (70, 33, 6, 2, 64), (500, 130, 8, 8, 128),
+])
+def test_as_close_to_float64_as_sdpa(context, tokens, heads, kv_heads, d):
+    block_size = 16
+    length = context + tokens
+    n_blocks = -(-length // block_size)
+    key_cache, value_cache = _cache(3 * n_blocks, block_size, kv_heads, d, seed=tokens)
+    g = torch.Generator().manual_seed(context)
+    table = torch.randperm(3 * n_blocks, generator=g)[:n_blocks].to(torch.int32)
+    query = torch.randn(tokens + 7, heads, d, generator=g) * 2
+    out = torch.full((tokens + 7, heads, d), 9.0)
+    cpu_amx_prefill.prefill_attention(query, key_cache, value_cache, table, 7, tokens, context, out, d**-0.5)
+    assert bool((out[:7] == 9.0).all())  # other tokens' rows untouched
+    slots = (table.long()[:, None] * block_size + torch.arange(block_size)).reshape(-1)[:length]
+    keys, values = key_cache.view(-1, kv_heads, d)[slots], value_cache.view(-1, kv_heads, d)[slots]
+    want = cpu_amx_prefill.reference(query[7:], keys, values, context, d**-0.5)
+    err = (out[7:].double() - want).abs().max().item()
+    sdpa_err = (_sdpa(query[7:], keys, values, context, d**-0.5).double() - want).abs().max().item()
+    assert err <= max(1.5 * sdpa_err, 1e-6)
+    # A token that could see a later key would be far off: the first token sees `context + 1` keys.
+    assert torch.allclose(out[7].double(), want[0], atol=1e-5)
+
+
+@needs_amx
+def test_the_backend_sends_long_prefill_rows_to_it_and_keeps_the_rest():
+    block_size, kv_heads, heads, d = 16, 2, 4, 64
+    key_cache, value_cache = _cache(64, block_size, kv_heads, d, seed=1)
+    # Rows: a decode row (context 40), a fresh prompt of 50 tokens, a chunk of 5 tokens after 30.
+    q_lens, seq_lens = [1, 50, 5], [41, 50, 35]
+    starts = [0, 1, 51, 56]
+    tables = torch.tensor([list(range(0, 8)), list(range(8, 16)), list(range(16, 24))], dtype=torch.int32)
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(56, dtype=torch.long), query_start_loc=torch.tensor(starts),
+        seq_lens=torch.tensor(seq_lens), block_tables=tables, query_start_loc_cpu=starts, seq_lens_cpu=seq_lens,
+        max_query_len=50, max_seq_len=50,
+    )
+    plan = build_plan(meta, block_size, kv_heads, use_kernel=True, num_blocks=64, use_amx_prefill=True)
+    assert plan.amx_prefill == [(1, 1, 50, 0)]
+    assert plan.kernel_rows.token_index.tolist() == [0, 51, 52, 53, 54, 55]
+
+    query = torch.randn(56, heads, d, generator=torch.Generator().manual_seed(2))
+    backend = TorchAttentionBackend()
+    got = backend.attend(query, key_cache, value_cache, meta, d**-0.5)
+    for row, (start, q_len, seq_len) in enumerate(zip(starts, q_lens, seq_lens, strict=False)):
+        slots = (tables[row].long()[:, None] * block_size + torch.arange(block_size)).reshape(-1)[:seq_len]
+        want = cpu_amx_prefill.reference(query[start:start + q_len], key_cache.view(-1, kv_heads, d)[slots],
+                                         value_cache.view(-1, kv_heads, d)[slots], seq_len - q_len, d**-0.5)
+        torch.testing.assert_close(got[start:start + q_len].double(), want, atol=2e-6, rtol=1e-5)
+
+
+def test_small_head_sizes_and_a_cpu_without_amx_keep_the_other_kernels(monkeypatch):
+    assert not cpu_amx_prefill.applies(48)
+    monkeypatch.setattr(cpu_amx_prefill.cpu_amx_gemm, "available", lambda: False)
+    assert not cpu_amx_prefill.applies(64)

@@ -1,0 +1,249 @@
+"""Prefill attention on the CPU's AMX tiles: a sequence's new tokens against all its keys, float32.
+
+Why: a prompt's attention is two GEMMs per head (scores Q.K^T, then P.V), quadratic in its length.
+The C kernel of cpu_decode_kernel.py takes a short prompt token by token, each token a row that
+rereads the row's keys: on SmolLM2's `mixed` set (prompts of 50-500 tokens) that was 11% of a step
+at two threads, at a few tens of GFLOP/s. Here the two GEMMs run on the tiles with the exact
+three-part bfloat16 split of worker/engine/cpu_amx_gemm.py (float32's accuracy; that module's
+docstring has the argument), 32 query rows by 32 keys at a time, and only the key blocks a row
+block can see (causal).
+
+One call per sequence and layer:
+1. K and V of the kv head come out of the paged cache once, split into their parts and packed in
+   the tiles' order: K as the columns of Q.K^T, V as the columns of P.V.
+2. Per block of 32 tokens of one query head (threads take blocks as they come): the scores, then a
+   softmax in float32 (max, exp within 1 ulp, sum; keys past a token's position are zero), the
+   unnormalised probabilities split into parts for P.V, and the output divided by the row's sum.
+
+Applies to float32 rows of at least MIN_TOKENS new tokens with a head size that is a multiple of
+32, where cpu_amx_gemm.available() (AMX, its self-check; TOKENMILL_AMX_GEMM=0 turns both off) and
+this kernel's own self-check against float64 hold. Shorter rows (chunks after a long context) keep
+the token-row kernel, which reads each key once per token anyway.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+
+import torch
+
+from worker.engine import cpu_amx_gemm
+from worker.engine.c_build import OnDemandLibrary
+
+log = logging.getLogger(__name__)
+
+# Fewer new tokens than this: packing the row's keys costs more than the tiles save.
+MIN_TOKENS = 32
+# Largest error of the self-check's outputs against float64, relative to sum_j p_j |v_j|.
+SELF_CHECK_BOUND = 2e-6
+
+_SOURCE = cpu_amx_gemm.TILES_SOURCE + r"""
+#include <math.h>
+
+/* The row's softmax numerators in place: s[j] <- exp(scale s[j] - max) for j < lim, 0 for lim <= j <
+   width (a multiple of 16); returns their sum (1 for an empty row, which is all zeros). */
+static float softmax_numerators(float *s, int64_t lim, int64_t width, float scale) {
+    if (lim <= 0) { memset(s, 0, (size_t)width * sizeof(float)); return 1.0f; }
+    const __m512 vscale = _mm512_set1_ps(scale);
+    __m512 vmax = _mm512_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < lim; j += 16) {
+        const __mmask16 mask = j + 16 <= lim ? (__mmask16)0xFFFF : (__mmask16)((1u << (lim - j)) - 1u);
+        vmax = _mm512_mask_max_ps(vmax, mask, vmax, _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, s + j), vscale));
+    }
+    const __m512 vtop = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+    __m512 vsum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < width; j += 16) {
+        const __mmask16 mask = j + 16 <= lim ? (__mmask16)0xFFFF
+                               : j < lim ? (__mmask16)((1u << (lim - j)) - 1u) : (__mmask16)0;
+        const __m512 e = _mm512_maskz_mov_ps(mask, exp16(_mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(s + j), vscale), vtop)));
+        _mm512_storeu_ps(s + j, e);
+        vsum = _mm512_add_ps(vsum, e);
+    }
+    return _mm512_reduce_add_ps(vsum);
+}
+
+/* Key j's value row (d floats) as rows of a packed B operand whose columns are the d outputs and
+   whose inputs are the keys: [d / 32][keys_pad / 32][part 3][half 2][16 key pairs][16][2]. */
+static void pack_value(const float *src, int64_t d, int valid, int64_t j, int64_t key_blocks, uint16_t *out) {
+    uint16_t parts[3][16];
+    const int64_t kb = j / 32, r = (j & 31) / 2, e = j & 1;
+    for (int64_t c0 = 0; c0 < d; c0 += 16) {
+        split16(load16(src, c0, d, valid), parts[0], parts[1], parts[2]);
+        const int64_t pair = c0 / 32, half = (c0 / 16) & 1;
+        for (int p = 0; p < 3; ++p) {
+            uint16_t *tile = out + ((pair * key_blocks + kb) * 3 * 2 + p * 2 + half) * TILE_ELEMS;
+            for (int c = 0; c < 16; ++c) tile[r * 32 + c * 2 + e] = parts[p][c];
+        }
+    }
+}
+
+/* Attention of `tokens` new tokens (positions context .. context + tokens - 1) of one sequence over
+   its keys 0 .. context + tokens - 1, read through `block_table` from caches [blocks, block_size,
+   kv_heads, head_dim]. q and out: token t, head h at t * stride + h * head_dim. Workspaces: k_ws and
+   v_ws kv_heads x keys_pad x head_dim x 3 bfloat16 each; thread_ws n_threads x per_thread bytes. */
+void amx_prefill_attention(const float *q, int64_t q_stride, int64_t tokens, int64_t context,
+                           const int32_t *block_table, const float *key_cache, const float *value_cache,
+                           int64_t block_size, int64_t kv_heads, int64_t group, int64_t head_dim, float scale,
+                           float *out, int64_t out_stride, uint16_t *k_ws, uint16_t *v_ws, uint8_t *thread_ws,
+                           int64_t per_thread, int64_t n_threads) {
+    const int64_t keys = context + tokens, keys_pad = (keys + 31) / 32 * 32;
+    const int64_t d_blocks = head_dim / 32, key_blocks = keys_pad / 32, head_elems = keys_pad * head_dim * 3;
+    const int64_t row_blocks = (tokens + 31) / 32, tasks = kv_heads * group * row_blocks;
+    #pragma omp parallel num_threads(n_threads)
+    {
+        #pragma omp for schedule(static) collapse(2)
+        for (int64_t h = 0; h < kv_heads; ++h)
+            for (int64_t j = 0; j < keys_pad; ++j) {
+                const int valid = j < keys;
+                const int64_t slot = valid ? (int64_t)block_table[j / block_size] * block_size + j % block_size : 0;
+                const int64_t at = (slot * kv_heads + h) * head_dim;
+                pack_column(key_cache + at, head_dim, valid, j, d_blocks, k_ws + h * head_elems);
+                pack_value(value_cache + at, head_dim, valid, j, key_blocks, v_ws + h * head_elems);
+            }
+#ifdef _OPENMP
+        uint8_t *mine = thread_ws + omp_get_thread_num() * per_thread;
+#else
+        uint8_t *mine = thread_ws;
+#endif
+        uint16_t *q_split = (uint16_t *)mine;
+        float *scores = (float *)(mine + d_blocks * BLOCK_ELEMS * 2);
+        uint16_t *p_split = (uint16_t *)(scores + 32 * keys_pad);
+        float *acc = (float *)(p_split + key_blocks * BLOCK_ELEMS);
+        float sums[32];
+        configure_tiles();
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < tasks; ++task) {
+            const int64_t head = task / row_blocks, t0 = (task % row_blocks) * 32;  /* query head, first token */
+            const int64_t kv = head / group;
+            const int64_t rows = tokens - t0 < 32 ? tokens - t0 : 32;
+            const int64_t seen = context + t0 + rows, blocks = (seen + 31) / 32;  /* keys the block can see */
+            for (int64_t i = 0; i < 32; ++i)
+                split_row(q + (t0 + i) * q_stride + head * head_dim, head_dim, i < rows, 0, i, d_blocks, q_split);
+            for (int64_t b = 0; b < blocks; ++b)
+                block_32x32(q_split, k_ws + kv * head_elems + b * d_blocks * BLOCK_ELEMS, 0, d_blocks,
+                            scores + b * 32, keys_pad, 1);
+            for (int64_t i = 0; i < 32; ++i) {
+                float *row = scores + i * keys_pad;
+                sums[i] = softmax_numerators(row, i < rows ? context + t0 + i + 1 : 0, blocks * 32, scale);
+                split_row(row, blocks * 32, 1, 0, i, blocks, p_split);
+            }
+            for (int64_t b = 0; b < d_blocks; ++b)
+                block_32x32(p_split, v_ws + kv * head_elems + b * key_blocks * BLOCK_ELEMS, 0, blocks,
+                            acc + b * 32, head_dim, 1);
+            for (int64_t i = 0; i < rows; ++i) {
+                float *dst = out + (t0 + i) * out_stride + head * head_dim;
+                for (int64_t c = 0; c < head_dim; ++c) dst[c] = acc[i * head_dim + c] / sums[i];
+            }
+        }
+        _tile_release();
+    }
+}
+""" + cpu_amx_gemm.SOURCE_TAIL
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.amx_prefill_attention.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_float,
+                                          ptr, i64, ptr, ptr, ptr, i64, i64]
+    lib.amx_prefill_attention.restype = None
+
+
+_library = OnDemandLibrary("cpu_amx_prefill", _SOURCE, "AMX prefill attention", _declare)
+_lock = threading.Lock()
+_ready: bool | None = None
+_workspaces = threading.local()
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def applies(head_dim: int) -> bool:
+    """Whether rows of this head size can take the kernel here (it is built and checked once)."""
+    return head_dim % 32 == 0 and available()
+
+
+def available() -> bool:
+    global _ready
+    if not cpu_amx_gemm.available():
+        return False
+    with _lock:
+        if _ready is None:
+            _ready = _library.get() is not None
+            if _ready:
+                with torch.inference_mode():
+                    _ready = _self_check()
+                if not _ready:
+                    log.warning("the AMX prefill attention failed its self-check: prefills keep the other kernels")
+        return _ready
+
+
+def _buffer(name: str, elems: int, dtype: torch.dtype) -> torch.Tensor:
+    buf = getattr(_workspaces, name, None)
+    if buf is None or buf.numel() < elems:
+        buf = torch.empty(elems, dtype=dtype)
+        setattr(_workspaces, name, buf)
+    return buf
+
+
+def prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                      block_table: torch.Tensor, token_start: int, tokens: int, context: int,
+                      out: torch.Tensor, scale: float) -> None:
+    """out[token_start : token_start + tokens] = attention of those query tokens (positions context ..
+    context + tokens - 1 of the sequence whose blocks are `block_table`, int32 contiguous) over the
+    sequence's keys. query and out: float32 [T, heads, head_dim], heads contiguous."""
+    _, block_size, kv_heads, head_dim = key_cache.shape
+    heads = query.shape[1]
+    keys_pad = _round_up(context + tokens, 32)
+    d_blocks, key_blocks = head_dim // 32, keys_pad // 32
+    block_bytes = 3 * 2 * 512 * 2
+    per_thread = _round_up(d_blocks * block_bytes + 32 * keys_pad * 4 + key_blocks * block_bytes + 32 * head_dim * 4, 64)
+    threads = torch.get_num_threads()
+    head_elems = kv_heads * keys_pad * head_dim * 3
+    k_ws, v_ws = _buffer("k", head_elems, torch.int16), _buffer("v", head_elems, torch.int16)
+    thread_ws = _buffer("threads", threads * per_thread + 64, torch.uint8)
+    base = thread_ws.data_ptr()
+    aligned = base + (-base % 64)
+    _library.get().amx_prefill_attention(
+        query.data_ptr() + token_start * query.stride(0) * 4, query.stride(0), tokens, context,
+        block_table.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), block_size, kv_heads,
+        heads // kv_heads, head_dim, scale, out.data_ptr() + token_start * out.stride(0) * 4, out.stride(0),
+        k_ws.data_ptr(), v_ws.data_ptr(), aligned, per_thread, threads,
+    )
+
+
+def reference(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, context: int, scale: float) -> torch.Tensor:
+    """float64 attention of query [T, heads, d] at positions context.. over keys/values [L, kv_heads, d]."""
+    tokens, heads, _ = query.shape
+    group = heads // keys.shape[1]
+    k = keys.double().repeat_interleave(group, dim=1).transpose(0, 1)  # [heads, L, d]
+    v = values.double().repeat_interleave(group, dim=1).transpose(0, 1)
+    scores = query.double().transpose(0, 1) @ k.transpose(1, 2) * scale  # [heads, T, L]
+    seen = torch.arange(keys.shape[0])[None, :] <= (context + torch.arange(tokens))[:, None]
+    probs = torch.softmax(scores.masked_fill(~seen, float("-inf")), dim=-1)
+    return (probs @ v).transpose(0, 1)  # [T, heads, d]
+
+
+def _self_check() -> bool:
+    """A chunk after context and a fresh prompt, blocks out of order, against float64."""
+    gen = torch.Generator().manual_seed(0)
+    block_size, kv_heads, heads, d = 16, 2, 6, 64
+    for context, tokens in ((0, 45), (70, 33)):
+        keys_n = context + tokens
+        n_blocks = -(-keys_n // block_size)
+        table = torch.randperm(n_blocks + 3, generator=gen)[:n_blocks].to(torch.int32)
+        key_cache = torch.randn(n_blocks + 3, block_size, kv_heads, d, generator=gen)
+        value_cache = torch.randn(n_blocks + 3, block_size, kv_heads, d, generator=gen)
+        query = torch.randn(tokens + 5, heads, d, generator=gen) * 3
+        out = torch.zeros(tokens + 5, heads, d)
+        prefill_attention(query, key_cache, value_cache, table, 5, tokens, context, out, d**-0.5)
+        slots = (table.long()[:, None] * block_size + torch.arange(block_size)).reshape(-1)[:keys_n]
+        keys = key_cache.view(-1, kv_heads, d)[slots]
+        values = value_cache.view(-1, kv_heads, d)[slots]
+        want = reference(query[5:], keys, values, context, d**-0.5)
+        bound = SELF_CHECK_BOUND * values.abs().max().item()
+        if not bool(((out[5:].double() - want).abs() <= bound).all()) or bool(out[:5].any()):
+            return False
+    return True
