@@ -9,8 +9,8 @@ add up to the run's wall time. The parts:
 - step inputs      ModelRunner.prepare (ids, positions, slots, block tables, rows to sample)
 - GEMM             the layers' projections (qkv, o, gate_up, down): F.linear, oneDNN or AMX
 - LM head          compute_logits
-- decode attention (the C kernel or the torch path), prefill attention (SDPA, and the C kernel's
-  share for short prefill rows, split from one call by keys read), KV write, attention, other
+- decode attention (the C kernel or the torch path), prefill attention (SDPA or the AMX kernel, and
+  the C kernel's share for short prefill rows, split from one call by keys read), KV write, attention, other
   (the per-step plan, output copies)
 - element-wise     norms, rotary, SiLU x mul
 - forward, other   the rest of the model's forward (embedding, index_select, Python per layer)
@@ -88,7 +88,7 @@ def _instrument(stack: ExitStack, timer: PartTimer) -> None:
 
     from worker.engine import cpu_amx_gemm, cpu_gemm
     from worker.engine import engine as engine_module
-    from worker.engine.attention import cpu_decode_kernel
+    from worker.engine.attention import cpu_amx_prefill, cpu_decode_kernel
     from worker.engine.attention.torch_backend import TorchAttentionBackend
     from worker.engine.detokenizer import IncrementalDetokenizer
     from worker.engine.model_runner import ModelRunner
@@ -121,6 +121,7 @@ def _instrument(stack: ExitStack, timer: PartTimer) -> None:
     ]:
         _patch(stack, owner, name, lambda fn, part=part: timer.wrap(part, fn))
     _patch(stack, cpu_decode_kernel, "paged_decode_attention", lambda fn: _kernel_split(timer, fn))
+    _patch(stack, cpu_amx_prefill, "prefill_attention", lambda fn: timer.wrap("prefill attention", fn))
     _patch(stack, F, "linear", lambda fn: timer.wrap(linear_part, fn))
     _patch(stack, cpu_gemm, "linear", lambda fn: timer.wrap(linear_part, fn))
     _patch(stack, cpu_amx_gemm.SplitWeight, "_gemm", lambda fn: timer.wrap(linear_part, fn))
