@@ -61,8 +61,9 @@ def test_a_row_gets_the_same_bits_at_any_row_count_and_beside_any_rows():
 
 
 @needs_amx
-def test_a_row_gets_the_same_bits_at_any_thread_count():
-    x, weight, bias = _case(130, 576, 1000, seed=3)
+@pytest.mark.parametrize("rows", [40, 130])  # split by columns (each thread its own copy) and by rows
+def test_a_row_gets_the_same_bits_at_any_thread_count(rows):
+    x, weight, bias = _case(rows, 576, 1000, seed=3)
     split = cpu_amx_gemm.SplitWeight(weight)
     before = torch.get_num_threads()
     try:
@@ -73,6 +74,7 @@ def test_a_row_gets_the_same_bits_at_any_thread_count():
     finally:
         torch.set_num_threads(before)
     assert all(torch.equal(r, results[0]) for r in results[1:])
+    assert _relative_error(results[0], x, weight, bias) < cpu_amx_gemm.SELF_CHECK_BOUND
 
 
 @needs_amx

@@ -54,6 +54,9 @@ SLAB_BYTES = 640 * 1024
 # The largest error of a self-check product against float64, relative to sum |x||w|: 4x what the
 # split leaves (1-2e-7 measured), still below what oneDNN's float32 GEMM shows on the same data.
 SELF_CHECK_BOUND = 8e-7
+# Up to this many blocks of 32 rows, split by columns, each thread splits all rows for itself (the C
+# constant of the same name).
+OWN_SPLIT_BLOCKS = 2
 
 # What every AMX kernel of the project shares (the attention prefill kernel includes it too): the
 # build target, the tile state, the three-part split, exp and one 32 x 32 block of products.
@@ -233,10 +236,13 @@ static void split_rows(const float *x, int64_t x_stride, int64_t m, int64_t k, i
 }
 
 /* y [m, n] = x [m, k] . w^T (+ bias), w packed by amx_pack_weight. split_ws holds chunk_rows_pad x
-   k_pad x 3 bfloat16, acc_ws chunk_rows_pad x n_pad floats. The threads split the output by rows
+   k_pad x 3 bfloat16 (n_threads times that for OWN_SPLIT_BLOCKS row blocks or fewer), acc_ws
+   chunk_rows_pad x n_pad floats. The threads split the output by rows
    (by_rows: each splits and multiplies its own rows by all of w) or by columns (each multiplies all
    rows, split by all threads first, by its share of w). With silu_mul, x is [m, 2k], the gate and up
    projections side by side, and the product's input is SiLU(gate) * up. */
+#define OWN_SPLIT_BLOCKS 2
+
 void amx_gemm(const float *x, int64_t x_stride, int64_t m, int64_t k, const uint16_t *w, int64_t n,
               int64_t n_pad, int64_t k_pad, const float *bias, float *y, uint16_t *split_ws, float *acc_ws,
               int64_t chunk_rows, int64_t slab_blocks, int64_t n_threads, int64_t by_rows, int64_t silu_mul) {
@@ -251,21 +257,27 @@ void amx_gemm(const float *x, int64_t x_stride, int64_t m, int64_t k, const uint
 #else
             const int64_t nt = 1, t = 0;
 #endif
-            const int64_t split0 = row_blocks * t / nt, split1 = row_blocks * (t + 1) / nt;
+            /* A few rows by columns: every thread splits them all into a copy of its own, which
+               costs less than waiting for the others and reading their copies across cores. */
+            const int own = !by_rows && row_blocks <= OWN_SPLIT_BLOCKS;
+            uint16_t *split = own ? split_ws + t * row_blocks * kbs * BLOCK_ELEMS : split_ws;
+            const int64_t split0 = own ? 0 : row_blocks * t / nt, split1 = own ? row_blocks : row_blocks * (t + 1) / nt;
             for (int64_t rb = split0; rb < split1; ++rb)
-                split_rows(x, x_stride, m, k, row0 + rb * 32, k_pad, (int)silu_mul, split_ws + rb * kbs * BLOCK_ELEMS);
+                split_rows(x, x_stride, m, k, row0 + rb * 32, k_pad, (int)silu_mul, split + rb * kbs * BLOCK_ELEMS);
             int64_t rb0 = 0, rb1 = row_blocks, p0 = 0, p1 = pairs;
             if (by_rows) { rb0 = split0; rb1 = split1; }
             else {
                 p0 = pairs * t / nt; p1 = pairs * (t + 1) / nt;
-                #pragma omp barrier
+                if (!own) {
+                    #pragma omp barrier
+                }
             }
             configure_tiles();
             for (int64_t kb0 = 0; kb0 < kbs; kb0 += slab_blocks) {
                 const int64_t kb1 = kb0 + slab_blocks < kbs ? kb0 + slab_blocks : kbs;
                 for (int64_t p = p0; p < p1; ++p)
                     for (int64_t rb = rb0; rb < rb1; ++rb)
-                        block_32x32(split_ws + rb * kbs * BLOCK_ELEMS, w + p * kbs * BLOCK_ELEMS, kb0, kb1,
+                        block_32x32(split + rb * kbs * BLOCK_ELEMS, w + p * kbs * BLOCK_ELEMS, kb0, kb1,
                                     acc_ws + rb * 32 * n_pad + p * 32, n_pad, kb0 == 0);
             }
             _tile_release();
@@ -354,8 +366,9 @@ class SplitWeight:
         if bias is not None:
             bias = bias.detach().float().contiguous()
         rows_pad = min(_round_up(m, 32), CHUNK_ROWS)
-        split_ws, acc_ws = _workspace(rows_pad * self.k_pad * 3, rows_pad * self.n_pad)
         threads = torch.get_num_threads()
+        copies = threads if rows_pad // 32 <= OWN_SPLIT_BLOCKS else 1  # see amx_gemm
+        split_ws, acc_ws = _workspace(copies * rows_pad * self.k_pad * 3, rows_pad * self.n_pad)
         kbs = self.k_pad // 32
         slab_blocks = max(1, SLAB_BYTES // (rows_pad * 32 * 6))
         slabs = -(-kbs // slab_blocks)
