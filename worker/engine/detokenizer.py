@@ -144,6 +144,10 @@ class IncrementalDetokenizer:
         piece = self._decode_new(final=False)
         if not piece:
             return "", False
+        if not self._stop:  # nothing is ever held back for a stop string: the piece goes out as it is
+            self._released.append(piece)
+            self._released_len += len(piece)
+            return piece, False
         return self._release(piece)
 
     def flush(self) -> str:

@@ -89,6 +89,21 @@ static inline float row_max(const uint16_t *s, int64_t V) {
     return m;
 }
 
+/* The first j with s[j] == m, m one of the V values: a scalar search would walk half the vocabulary
+   on average, as long as the max itself. */
+static inline int64_t first_equal(const uint16_t *s, int64_t V, float m) {
+    int64_t j = 0;
+#if defined(__AVX512F__)
+    const __m512 mv = _mm512_set1_ps(m);
+    for (; j + 16 <= V; j += 16) {
+        const __mmask16 eq = _mm512_cmp_ps_mask(bf16x16(s + j), mv, _CMP_EQ_OQ);
+        if (eq) return j + __builtin_ctz(eq);
+    }
+#endif
+    while (bf16_to_f32(s[j]) != m) ++j;
+    return j;
+}
+
 /* The float32 logit as oneDNN's float32 GEMM computes it: fused multiply-adds in order of k within
    each block of `kb` (oneDNN's K blocking, found at load: GreedyScreen.build), the blocks' sums added in
    order. */
@@ -152,8 +167,7 @@ void greedy_from_screen(const uint16_t *screen, int64_t screen_stride, const flo
         const double slack = 1.0 + 1e-9; /* the rounding of the norms and of eps itself */
         const double A = (sqrt(sq_d) + gamma * sqrt(sq_b)) * slack, B = norm * slack;
         const double E = abs_term * (norm + w_max + 1.0) * slack, D = d_rel * slack;
-        int64_t jm = 0;
-        while (bf16_to_f32(s[jm]) != m) ++jm;
+        const int64_t jm = first_equal(s, V, m);
         const double eps_m = A * p[jm] + B * t[jm] + D * fabs((double)m) + E;
         const double floor_t = (double)m - eps_m; /* the best logit is at least this */
         /* Only a column with screen_j >= pre can reach floor_t (eps_j at most the largest column's). */
