@@ -2,6 +2,8 @@
 a row's bits independent of the row count, the other rows, the thread count and the K slabs, and the
 choice of the layers' GEMM. The kernel tests need a CPU with AMX; the choice tests run anywhere."""
 
+import threading
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -61,14 +63,16 @@ def test_a_row_gets_the_same_bits_at_any_row_count_and_beside_any_rows():
 
 
 @needs_amx
-@pytest.mark.parametrize("rows", [40, 130])  # split by columns (each thread its own copy) and by rows
+# by columns (each thread its own copy of the split rows), by rows, and two chunks whose short last
+# one goes by columns, at more threads than the two-block copies of one chunk's workspace would hold
+@pytest.mark.parametrize("rows", [40, 130, 300])
 def test_a_row_gets_the_same_bits_at_any_thread_count(rows):
     x, weight, bias = _case(rows, 576, 1000, seed=3)
     split = cpu_amx_gemm.SplitWeight(weight)
     before = torch.get_num_threads()
     try:
         results = []
-        for threads in (1, 2, 3):
+        for threads in (1, 2, 3, 8):
             torch.set_num_threads(threads)
             results.append(split.linear(x, bias))
     finally:
@@ -181,3 +185,23 @@ def test_silu_mul_folded_into_the_split_is_as_accurate_as_torchs():
     torch_err = ((torch_layer.double() - h64).abs() / h64.abs().clamp_min(1e-30)).max().item()
     assert err < 2 * torch_err + 1e-7
     assert torch.equal(split.linear_silu_mul(gate_up[:9]), got[:9])  # rows independent here too
+
+
+@needs_amx
+def test_a_long_call_at_many_threads_stays_within_its_workspace():
+    """More rows than a chunk at 8 threads, on a thread whose workspace nothing grew before: the short
+    last chunk goes by columns and must use the shared split it was sized for (a copy per thread
+    would write past it)."""
+    x, weight, bias = _case(300, 576, 1000, seed=4)
+    split = cpu_amx_gemm.SplitWeight(weight)
+    want = split.linear(x, bias)
+    got = {}
+
+    def run():
+        torch.set_num_threads(8)
+        got["y"] = split.linear(x, bias)
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    worker.join()
+    assert torch.equal(got["y"], want)

@@ -54,8 +54,8 @@ SLAB_BYTES = 640 * 1024
 # The largest error of a self-check product against float64, relative to sum |x||w|: 4x what the
 # split leaves (1-2e-7 measured), still below what oneDNN's float32 GEMM shows on the same data.
 SELF_CHECK_BOUND = 8e-7
-# Up to this many blocks of 32 rows, split by columns, each thread splits all rows for itself (the C
-# constant of the same name).
+# Up to this many blocks of 32 rows (a call of one chunk), split by columns, each thread splits all
+# rows for itself (amx_gemm's own_split).
 OWN_SPLIT_BLOCKS = 2
 
 # What every AMX kernel of the project shares (the attention prefill kernel includes it too): the
@@ -236,16 +236,16 @@ static void split_rows(const float *x, int64_t x_stride, int64_t m, int64_t k, i
 }
 
 /* y [m, n] = x [m, k] . w^T (+ bias), w packed by amx_pack_weight. split_ws holds chunk_rows_pad x
-   k_pad x 3 bfloat16 (n_threads times that for OWN_SPLIT_BLOCKS row blocks or fewer), acc_ws
-   chunk_rows_pad x n_pad floats. The threads split the output by rows
-   (by_rows: each splits and multiplies its own rows by all of w) or by columns (each multiplies all
-   rows, split by all threads first, by its share of w). With silu_mul, x is [m, 2k], the gate and up
-   projections side by side, and the product's input is SiLU(gate) * up. */
-#define OWN_SPLIT_BLOCKS 2
-
+   k_pad x 3 bfloat16 (n_threads times that with own_split), acc_ws chunk_rows_pad x n_pad floats.
+   The threads split the output by rows (by_rows: each splits and multiplies its own rows by all of
+   w) or by columns (each multiplies all rows, split by all threads first, by its share of w; with
+   own_split, which the caller sets only for a few rows by columns, each thread splits all rows into
+   a copy of its own). With silu_mul, x is [m, 2k], the gate and up projections side by side, and
+   the product's input is SiLU(gate) * up. */
 void amx_gemm(const float *x, int64_t x_stride, int64_t m, int64_t k, const uint16_t *w, int64_t n,
               int64_t n_pad, int64_t k_pad, const float *bias, float *y, uint16_t *split_ws, float *acc_ws,
-              int64_t chunk_rows, int64_t slab_blocks, int64_t n_threads, int64_t by_rows, int64_t silu_mul) {
+              int64_t chunk_rows, int64_t slab_blocks, int64_t n_threads, int64_t by_rows, int64_t own_split,
+              int64_t silu_mul) {
     const int64_t kbs = k_pad / 32, pairs = n_pad / 32;
     for (int64_t row0 = 0; row0 < m; row0 += chunk_rows) {
         const int64_t rows = m - row0 < chunk_rows ? m - row0 : chunk_rows;
@@ -259,7 +259,7 @@ void amx_gemm(const float *x, int64_t x_stride, int64_t m, int64_t k, const uint
 #endif
             /* A few rows by columns: every thread splits them all into a copy of its own, which
                costs less than waiting for the others and reading their copies across cores. */
-            const int own = !by_rows && row_blocks <= OWN_SPLIT_BLOCKS;
+            const int own = (int)own_split;
             uint16_t *split = own ? split_ws + t * row_blocks * kbs * BLOCK_ELEMS : split_ws;
             const int64_t split0 = own ? 0 : row_blocks * t / nt, split1 = own ? row_blocks : row_blocks * (t + 1) / nt;
             for (int64_t rb = split0; rb < split1; ++rb)
@@ -302,7 +302,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.amx_request_permission.restype = ctypes.c_int
     lib.amx_pack_weight.argtypes = [ptr, i64, i64, i64, i64, ptr, i64]
     lib.amx_pack_weight.restype = None
-    lib.amx_gemm.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64]
+    lib.amx_gemm.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64]
     lib.amx_gemm.restype = None
 
 
@@ -367,7 +367,12 @@ class SplitWeight:
             bias = bias.detach().float().contiguous()
         rows_pad = min(_round_up(m, 32), CHUNK_ROWS)
         threads = torch.get_num_threads()
-        copies = threads if rows_pad // 32 <= OWN_SPLIT_BLOCKS else 1  # see amx_gemm
+        by_rows = _split_by_rows(rows_pad // 32, threads)
+        # A few rows (one chunk) by columns: each thread splits them into a copy of its own (no
+        # barrier, no split rows read across cores). The flag holds for every chunk of the call, so a
+        # long call's short last chunk keeps the shared copy its workspace was sized for.
+        own_split = not by_rows and rows_pad // 32 <= OWN_SPLIT_BLOCKS
+        copies = threads if own_split else 1
         split_ws, acc_ws = _workspace(copies * rows_pad * self.k_pad * 3, rows_pad * self.n_pad)
         kbs = self.k_pad // 32
         slab_blocks = max(1, SLAB_BYTES // (rows_pad * 32 * 6))
@@ -376,7 +381,7 @@ class SplitWeight:
         _library.get().amx_gemm(
             x.data_ptr(), x.stride(0), m, self.k, self.packed.data_ptr(), self.n, self.n_pad, self.k_pad,
             bias.data_ptr() if bias is not None else None, y.data_ptr(), split_ws.data_ptr(), acc_ws.data_ptr(),
-            CHUNK_ROWS, slab_blocks, threads, _split_by_rows(rows_pad // 32, threads), silu_mul,
+            CHUNK_ROWS, slab_blocks, threads, by_rows, own_split, silu_mul,
         )
         return y
 
