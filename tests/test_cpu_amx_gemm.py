@@ -63,11 +63,13 @@ def test_a_row_gets_the_same_bits_at_any_row_count_and_beside_any_rows():
 
 
 @needs_amx
-# by columns (each thread its own copy of the split rows), by rows, and two chunks whose short last
-# one goes by columns, at more threads than the two-block copies of one chunk's workspace would hold
-@pytest.mark.parametrize("rows", [40, 130, 300])
-def test_a_row_gets_the_same_bits_at_any_thread_count(rows):
-    x, weight, bias = _case(rows, 576, 1000, seed=3)
+# Every way the threads share a call (cpu_amx_gemm.COLUMN_MAJOR_BLOCKS): column-major with each
+# thread's own split (40 rows), column-major with the split shared (130 rows x a 3.5 MB weight),
+# row-major (130 rows x a small weight; 300 and 1,100 rows: runs that start inside a row block, and
+# several passes per thread at 1-3 threads).
+@pytest.mark.parametrize(("rows", "n"), [(40, 1000), (130, 1000), (130, 200), (300, 1000), (1100, 300)])
+def test_a_row_gets_the_same_bits_at_any_thread_count(rows, n):
+    x, weight, bias = _case(rows, 576, n, seed=3)
     split = cpu_amx_gemm.SplitWeight(weight)
     before = torch.get_num_threads()
     try:
@@ -189,9 +191,9 @@ def test_silu_mul_folded_into_the_split_is_as_accurate_as_torchs():
 
 @needs_amx
 def test_a_long_call_at_many_threads_stays_within_its_workspace():
-    """More rows than a chunk at 8 threads, on a thread whose workspace nothing grew before: the short
-    last chunk goes by columns and must use the shared split it was sized for (a copy per thread
-    would write past it)."""
+    """More rows than a pass at 8 threads, on a thread whose workspace nothing grew before: each
+    thread's run starts inside a row block and touches one more than an even share, and its slots
+    must hold them all (a workspace sized for the even share would be written past)."""
     x, weight, bias = _case(300, 576, 1000, seed=4)
     split = cpu_amx_gemm.SplitWeight(weight)
     want = split.linear(x, bias)

@@ -45,18 +45,27 @@ log = logging.getLogger(__name__)
 
 DISABLE_ENV = "TOKENMILL_AMX_GEMM"  # "0": float32 GEMMs never on AMX
 
-# Rows per pass: the split rows of a pass (rows x K x 6 bytes) stay in the core's L2 while every
-# column block reads them.
-CHUNK_ROWS = 256
+# Row blocks (of 32 rows) per pass of one thread: the split rows of a pass (rows x K x 6 bytes) stay
+# in the core's L2 while every column pair reads them.
+PASS_BLOCKS = 8
 # Bytes of split rows per K slab: a pass over longer inputs (SmolLM2's down projection, K = 1,536)
 # runs in slabs of at most this many, with the partial sums kept between slabs.
 SLAB_BYTES = 640 * 1024
 # The largest error of a self-check product against float64, relative to sum |x||w|: 4x what the
 # split leaves (1-2e-7 measured), still below what oneDNN's float32 GEMM shows on the same data.
 SELF_CHECK_BOUND = 8e-7
-# Up to this many blocks of 32 rows (a call of one chunk), split by columns, each thread splits all
-# rows for itself (amx_gemm's own_split).
-OWN_SPLIT_BLOCKS = 2
+# How the threads share a call (amx_gemm), measured on 2 threads over a model's worth of weights in
+# turn (so that each weight comes from L3, as in a step):
+# - up to COLUMN_MAJOR_BLOCKS blocks of 32 rows, column-major, each thread splitting all rows itself:
+#   it reads a share of the weight instead of all of it;
+# - up to SHARED_SPLIT_BLOCKS, for a weight of at least SHARED_SPLIT_MIN_WEIGHT_BYTES (split, three
+#   quarters of a 4 MiB L2), column-major with the rows split once between the threads: SmolLM2's
+#   projections at 96-160 rows 0.99-1.18x row-major (gate/up and down 1.03-1.18x); tiny-llama's weights (at most
+#   2.1 MB split) 0.8-0.95x, so they stay row-major;
+# - else row-major.
+COLUMN_MAJOR_BLOCKS = 2
+SHARED_SPLIT_BLOCKS = 5
+SHARED_SPLIT_MIN_WEIGHT_BYTES = 3 << 20
 
 # What every AMX kernel of the project shares (the attention prefill kernel includes it too): the
 # build target, the tile state, the three-part split, exp and one 32 x 32 block of products.
@@ -235,62 +244,81 @@ static void split_rows(const float *x, int64_t x_stride, int64_t m, int64_t k, i
         split_row(x + (row0 + i) * x_stride, k, row0 + i < m, silu_mul, i, k_pad / 32, out);
 }
 
-/* y [m, n] = x [m, k] . w^T (+ bias), w packed by amx_pack_weight. split_ws holds chunk_rows_pad x
-   k_pad x 3 bfloat16 (n_threads times that with own_split), acc_ws chunk_rows_pad x n_pad floats.
-   The threads split the output by rows (by_rows: each splits and multiplies its own rows by all of
-   w) or by columns (each multiplies all rows, split by all threads first, by its share of w; with
-   own_split, which the caller sets only for a few rows by columns, each thread splits all rows into
-   a copy of its own). With silu_mul, x is [m, 2k], the gate and up projections side by side, and
-   the product's input is SiLU(gate) * up. */
+/* y [m, n] = x [m, k] . w^T (+ bias), w packed by amx_pack_weight. With silu_mul, x is [m, 2k], the
+   gate and up projections side by side, and the product's input is SiLU(gate) * up.
+
+   The work is the 32 x 32 output blocks (row block rb, column pair p) in row-major order, or
+   column-major with col_major. Thread t takes the t-th of n_threads equal runs of that order, so the
+   shares differ by at most one block whatever the row count (by whole row blocks, 160 rows on two
+   threads would be 3 : 2), and row-major a thread's rows are those a static split of the rows gives
+   it, as the element-wise kernels split them. A thread works through its row blocks in passes of up
+   to pass_blocks: it splits a pass's rows into slots of its own in split_ws (pass_blocks x k_pad x 96
+   bfloat16 per thread), multiplies them by each column pair of its run in slabs of slab_blocks input
+   blocks, and writes the pass out from its own slots of acc_ws (pass_blocks x 32 x n_pad floats per
+   thread): it waits for no other thread and reads no split rows of another core (a row block that two
+   runs share is split twice). With shared_split (column-major, one pass, one set of slots) each thread
+   splits a share of the rows and all wait for all: for a few rows times a large weight, each thread
+   then reads only its share of the weight and splits only its share of the rows. */
 void amx_gemm(const float *x, int64_t x_stride, int64_t m, int64_t k, const uint16_t *w, int64_t n,
               int64_t n_pad, int64_t k_pad, const float *bias, float *y, uint16_t *split_ws, float *acc_ws,
-              int64_t chunk_rows, int64_t slab_blocks, int64_t n_threads, int64_t by_rows, int64_t own_split,
+              int64_t pass_blocks, int64_t slab_blocks, int64_t n_threads, int64_t col_major, int64_t shared_split,
               int64_t silu_mul) {
-    const int64_t kbs = k_pad / 32, pairs = n_pad / 32;
-    for (int64_t row0 = 0; row0 < m; row0 += chunk_rows) {
-        const int64_t rows = m - row0 < chunk_rows ? m - row0 : chunk_rows;
-        const int64_t row_blocks = (rows + 31) / 32;
-        #pragma omp parallel num_threads(n_threads)
-        {
+    const int64_t kbs = k_pad / 32, pairs = n_pad / 32, row_blocks = (m + 31) / 32, items = row_blocks * pairs;
+    #pragma omp parallel num_threads(n_threads)
+    {
 #ifdef _OPENMP
-            const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
+        const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
 #else
-            const int64_t nt = 1, t = 0;
+        const int64_t nt = 1, t = 0;
 #endif
-            /* A few rows by columns: every thread splits them all into a copy of its own, which
-               costs less than waiting for the others and reading their copies across cores. */
-            const int own = (int)own_split;
-            uint16_t *split = own ? split_ws + t * row_blocks * kbs * BLOCK_ELEMS : split_ws;
-            const int64_t split0 = own ? 0 : row_blocks * t / nt, split1 = own ? row_blocks : row_blocks * (t + 1) / nt;
-            for (int64_t rb = split0; rb < split1; ++rb)
-                split_rows(x, x_stride, m, k, row0 + rb * 32, k_pad, (int)silu_mul, split + rb * kbs * BLOCK_ELEMS);
-            int64_t rb0 = 0, rb1 = row_blocks, p0 = 0, p1 = pairs;
-            if (by_rows) { rb0 = split0; rb1 = split1; }
-            else {
-                p0 = pairs * t / nt; p1 = pairs * (t + 1) / nt;
-                if (!own) {
-                    #pragma omp barrier
-                }
-            }
-            configure_tiles();
+        const int64_t i0 = items * t / nt, i1 = items * (t + 1) / nt;
+        /* The row blocks [rb0, rb1) and column pairs [p0, p1) that the run [i0, i1) touches. */
+        int64_t rb0 = 0, rb1 = row_blocks, p0 = 0, p1 = pairs;
+        if (i0 >= i1) rb1 = 0;
+        else if (col_major) { p0 = i0 / row_blocks; p1 = (i1 - 1) / row_blocks + 1; }
+        else { rb0 = i0 / pairs; rb1 = (i1 - 1) / pairs + 1; }
+        uint16_t *split = shared_split ? split_ws : split_ws + t * pass_blocks * kbs * BLOCK_ELEMS;
+        float *acc = shared_split ? acc_ws : acc_ws + t * pass_blocks * 32 * n_pad;
+        if (shared_split) {
+            for (int64_t rb = row_blocks * t / nt; rb < row_blocks * (t + 1) / nt; ++rb)
+                split_rows(x, x_stride, m, k, rb * 32, k_pad, (int)silu_mul, split + rb * kbs * BLOCK_ELEMS);
+            #pragma omp barrier
+        }
+        if (rb0 < rb1) configure_tiles();
+        for (int64_t pa = rb0; pa < rb1; pa += pass_blocks) {
+            const int64_t pb = pa + pass_blocks < rb1 ? pa + pass_blocks : rb1;
+            for (int64_t rb = pa; rb < pb && !shared_split; ++rb)
+                split_rows(x, x_stride, m, k, rb * 32, k_pad, (int)silu_mul, split + (rb - pa) * kbs * BLOCK_ELEMS);
             for (int64_t kb0 = 0; kb0 < kbs; kb0 += slab_blocks) {
                 const int64_t kb1 = kb0 + slab_blocks < kbs ? kb0 + slab_blocks : kbs;
+                /* Column pairs outside, so one pair of w serves all of the pass's rows in turn. */
                 for (int64_t p = p0; p < p1; ++p)
-                    for (int64_t rb = rb0; rb < rb1; ++rb)
-                        block_32x32(split + rb * kbs * BLOCK_ELEMS, w + p * kbs * BLOCK_ELEMS, kb0, kb1,
-                                    acc_ws + rb * 32 * n_pad + p * 32, n_pad, kb0 == 0);
+                    for (int64_t rb = pa; rb < pb; ++rb) {
+                        const int64_t item = col_major ? p * row_blocks + rb : rb * pairs + p;
+                        if (item < i0 || item >= i1) continue;
+                        block_32x32(split + (rb - pa) * kbs * BLOCK_ELEMS, w + p * kbs * BLOCK_ELEMS, kb0, kb1,
+                                    acc + (rb - pa) * 32 * n_pad + p * 32, n_pad, kb0 == 0);
+                    }
             }
-            _tile_release();
-            /* This thread's share of the output is final: out with the bias. */
-            const int64_t c0 = p0 * 32, c1 = p1 * 32 < n ? p1 * 32 : n;
-            const int64_t r1 = rb1 * 32 < rows ? rb1 * 32 : rows;
-            for (int64_t r = rb0 * 32; r < r1 && c1 > c0; ++r) {
-                float *dst = y + (row0 + r) * n;
-                const float *src = acc_ws + r * n_pad;
-                if (bias) for (int64_t j = c0; j < c1; ++j) dst[j] = src[j] + bias[j];
-                else memcpy(dst + c0, src + c0, (size_t)(c1 - c0) * sizeof(float));
+            /* The pass's blocks of this run are final: out with the bias, row by row over the run's
+               columns of that row (one span: a run is contiguous in either order). */
+            for (int64_t rb = pa; rb < pb; ++rb) {
+                int64_t q0, q1;
+                if (col_major) { q0 = (i0 - rb + row_blocks - 1) / row_blocks; q1 = (i1 - rb + row_blocks - 1) / row_blocks; }
+                else { q0 = i0 - rb * pairs; q1 = i1 - rb * pairs; }
+                q0 = q0 < 0 ? 0 : q0;
+                q1 = q1 > pairs ? pairs : q1;
+                const int64_t c0 = q0 * 32, c1 = q1 * 32 < n ? q1 * 32 : n;
+                const int64_t r1 = rb * 32 + 32 < m ? rb * 32 + 32 : m;
+                for (int64_t r = rb * 32; r < r1 && c1 > c0; ++r) {
+                    float *dst = y + r * n;
+                    const float *src = acc + (r - pa * 32) * n_pad;
+                    if (bias) for (int64_t j = c0; j < c1; ++j) dst[j] = src[j] + bias[j];
+                    else memcpy(dst + c0, src + c0, (size_t)(c1 - c0) * sizeof(float));
+                }
             }
         }
+        if (rb0 < rb1) _tile_release();
     }
 }
 """ + SOURCE_TAIL
@@ -365,33 +393,30 @@ class SplitWeight:
             return y
         if bias is not None:
             bias = bias.detach().float().contiguous()
-        rows_pad = min(_round_up(m, 32), CHUNK_ROWS)
         threads = torch.get_num_threads()
-        by_rows = _split_by_rows(rows_pad // 32, threads)
-        # A few rows (one chunk) by columns: each thread splits them into a copy of its own (no
-        # barrier, no split rows read across cores). The flag holds for every chunk of the call, so a
-        # long call's short last chunk keeps the shared copy its workspace was sized for.
-        own_split = not by_rows and rows_pad // 32 <= OWN_SPLIT_BLOCKS
-        copies = threads if own_split else 1
-        split_ws, acc_ws = _workspace(copies * rows_pad * self.k_pad * 3, rows_pad * self.n_pad)
+        row_blocks = -(-m // 32)
+        # How the threads share the call: see COLUMN_MAJOR_BLOCKS.
+        col_major = threads > 1 and row_blocks <= COLUMN_MAJOR_BLOCKS
+        shared_split = (threads > 1 and not col_major and row_blocks <= SHARED_SPLIT_BLOCKS
+                        and self.n_pad * self.k_pad * 6 >= SHARED_SPLIT_MIN_WEIGHT_BYTES)
+        if shared_split:
+            col_major, pass_blocks, copies = True, row_blocks, 1
+        elif col_major:
+            pass_blocks, copies = row_blocks, threads
+        else:  # the most row blocks one thread's run can touch, at most a pass's worth
+            run = -(-row_blocks * (self.n_pad // 32) // threads)
+            pass_blocks, copies = min(PASS_BLOCKS, row_blocks, -(-run // (self.n_pad // 32)) + 1), threads
+        split_ws, acc_ws = _workspace(copies * pass_blocks * 32 * self.k_pad * 3, copies * pass_blocks * 32 * self.n_pad)
         kbs = self.k_pad // 32
-        slab_blocks = max(1, SLAB_BYTES // (rows_pad * 32 * 6))
+        slab_blocks = max(1, SLAB_BYTES // (pass_blocks * 32 * 32 * 6))
         slabs = -(-kbs // slab_blocks)
         slab_blocks = -(-kbs // slabs)  # equal slabs
         _library.get().amx_gemm(
             x.data_ptr(), x.stride(0), m, self.k, self.packed.data_ptr(), self.n, self.n_pad, self.k_pad,
             bias.data_ptr() if bias is not None else None, y.data_ptr(), split_ws.data_ptr(), acc_ws.data_ptr(),
-            CHUNK_ROWS, slab_blocks, threads, by_rows, own_split, silu_mul,
+            pass_blocks, slab_blocks, threads, col_major, shared_split, silu_mul,
         )
         return y
-
-
-def _split_by_rows(row_blocks: int, threads: int) -> bool:
-    """Threads take rows (each splits its own and reads all of the weight) from two row blocks
-    each; fewer rows go by columns (each reads all rows). By rows, a thread reads no split rows of
-    another core and waits for no other thread before its products: at SmolLM2's shapes, 2 threads,
-    128-1,024 rows, 1.0-1.3x the column split; at 32 rows by columns is up to 1.8x the better."""
-    return threads > 1 and row_blocks >= 2 * threads
 
 
 def _workspace(split_elems: int, acc_elems: int) -> tuple[torch.Tensor, torch.Tensor]:
