@@ -60,8 +60,8 @@ SELF_CHECK_BOUND = 8e-7
 #   it reads a share of the weight instead of all of it;
 # - up to SHARED_SPLIT_BLOCKS, for a weight of at least SHARED_SPLIT_MIN_WEIGHT_BYTES (split, three
 #   quarters of a 4 MiB L2), column-major with the rows split once between the threads: SmolLM2's
-#   projections at 96-160 rows 0.99-1.18x row-major (gate/up and down 1.03-1.18x); tiny-llama's weights (at most
-#   2.1 MB split) 0.8-0.95x, so they stay row-major;
+#   projections at 96-160 rows 0.99-1.18x row-major (gate/up and down 1.03-1.18x); tiny-llama's
+#   weights (at most 2.1 MB split) 0.8-0.95x, so they stay row-major;
 # - else row-major.
 COLUMN_MAJOR_BLOCKS = 2
 SHARED_SPLIT_BLOCKS = 5
