@@ -493,3 +493,123 @@ def test_find_first_stop_min_end():
     assert find_first_stop("ab stop cd stop", ["stop"], min_end=7) == 11  # the first ends at 7: not after it
     assert find_first_stop("ab stop cd stop", ["stop"], min_end=6) == 3
     assert find_first_stop("ab stop", ["stop"], min_end=7) is None
+
+
+# -- requests without stop strings: the Rust incremental decoder (DecodeStream) -------------------
+
+
+def _python_window(tok, prompt):
+    """A detokenizer for `tok` held on the Python window path (what requests with stop strings use)."""
+    detok = IncrementalDetokenizer(tok, prompt, [])
+    detok._stream = None
+    return detok
+
+
+def _feed(detok, ids):
+    pieces = [detok.add(i)[0] for i in ids]
+    return pieces, detok.flush()
+
+
+def test_without_stop_strings_a_rust_tokenizer_decodes_through_decode_stream(tokenizer):
+    assert IncrementalDetokenizer(tokenizer, [], [])._stream is not None
+    assert IncrementalDetokenizer(tokenizer.backend_tokenizer, [], [])._stream is not None
+    assert IncrementalDetokenizer(tokenizer, [], ["stop"])._stream is None  # stop strings: the Python path
+
+
+def test_decode_stream_flushes_a_trailing_partial_character(tokenizer):
+    ids = encode(tokenizer, "ok 🎉")
+    cut = ids[:-1]  # the emoji's last byte never comes
+    pieces, tail = _feed(IncrementalDetokenizer(tokenizer, [], []), cut)
+    assert "".join(pieces) == "ok " and tail == tokenizer.decode(cut)[len("ok "):]
+    assert tail and tail.endswith("\ufffd")
+
+
+def _same_text_both_ways(tok, ids, prompt):
+    streamed = IncrementalDetokenizer(tok, prompt, [])
+    assert streamed._stream is not None
+    pieces, tail = _feed(streamed, ids)
+    want_pieces, want_tail = _feed(_python_window(tok, prompt), ids)
+    assert "".join(pieces) + tail == "".join(want_pieces) + want_tail == streamed.text
+    if not prompt:  # with a prompt, the context may keep a leading space that decode() alone drops
+        assert streamed.text == tok.decode(ids, skip_special_tokens=True)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(token_case())
+def test_property_decode_stream_gives_the_python_paths_text(case):
+    ids, prompt, _ = case
+    _same_text_both_ways(_tok(), ids, prompt)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(smollm2_case())
+def test_property_decode_stream_gives_the_python_paths_text_smollm2(case):
+    ids, prompt, _ = case
+    tok, _ = _smollm2_tokenizer()
+    _same_text_both_ways(tok, ids, prompt)
+
+
+@pytest.mark.parametrize("prompt, output", [("say hello", " world, this is the model"), ("🎉", " ü results")])
+def test_decode_stream_keeps_the_sentencepiece_leading_space(sentencepiece_style_tokenizer, prompt, output):
+    tok = sentencepiece_style_tokenizer
+    prompt_ids = tok.encode(prompt, add_special_tokens=False)
+    out_ids = tok.encode(prompt + output, add_special_tokens=False)[len(prompt_ids):]
+    detok = IncrementalDetokenizer(tok, prompt_ids, [])
+    assert detok._stream is not None
+    pieces, tail = _feed(detok, out_ids)
+    assert "".join(pieces) + tail == detok.text == output
+
+
+def test_a_failing_decode_stream_hands_over_to_the_python_path(tokenizer):
+    class Failing:
+        def step(self, backend, token_id):
+            raise RuntimeError("invalid prefix")
+
+    ids = encode(tokenizer, "café 🎉 naïve results")
+    prompt = encode(tokenizer, "Say:")
+    detok = IncrementalDetokenizer(tokenizer, prompt, [])
+    first, _ = detok.add(ids[0])
+    detok._stream = Failing()
+    rest = [detok.add(i)[0] for i in ids[1:]]
+    assert first + "".join(rest) + detok.flush() == tokenizer.decode(ids)
+    assert detok._stream is None
+
+
+# -- deferred (final-only requests without stop strings): decoded once, at flush() ----------------
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(token_case())
+def test_property_deferred_text_is_the_token_by_token_text(case):
+    ids, prompt, _ = case
+    tok = _tok()
+    deferred = IncrementalDetokenizer(tok, prompt, [], deferred=True)
+    assert all(deferred.add(i) == ("", False) for i in ids)  # nothing decoded yet
+    tail = deferred.flush()
+    pieces, want_tail = _feed(_python_window(tok, prompt), ids)
+    assert tail == deferred.text == "".join(pieces) + want_tail
+
+
+def test_deferred_text_read_midway_holds_a_partial_character_until_flush(tokenizer):
+    ids = encode(tokenizer, "ok 🎉 done")
+    emoji_bytes = [i for i, p in enumerate(ids) if "\ufffd" in tokenizer.decode(ids[: i + 1])]
+    assert emoji_bytes
+    detok = IncrementalDetokenizer(tokenizer, encode(tokenizer, "Say:"), [], deferred=True)
+    for i in ids[: emoji_bytes[0] + 1]:  # up to inside the emoji
+        detok.add(i)
+    assert detok.text == "ok "  # what can be decoded so far, the partial emoji held
+    for i in ids[emoji_bytes[0] + 1 :]:
+        detok.add(i)
+    rest = detok.flush()
+    assert detok.text == "ok 🎉 done" and rest == "🎉 done"
+
+
+def test_deferred_with_stop_strings_decodes_token_by_token(tokenizer):
+    ids = encode(tokenizer, "the model writes a batch result")
+    detok = IncrementalDetokenizer(tokenizer, [], ["batch"], deferred=True)
+    hit = False
+    for i in ids:
+        _, hit = detok.add(i)
+        if hit:
+            break
+    assert hit and detok.text == "the model writes a "
