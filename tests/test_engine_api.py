@@ -204,3 +204,67 @@ def test_steps_past_prefill_compute_the_last_layer_only_for_sampling_rows(tiny_q
     assert seen[0] == (32, [19], 1)  # a's whole prompt samples; b's first 12 tokens do not
     assert seen[1][1] == [0, 18] and seen[1][2] == 2  # a decodes; b's last 18 prompt tokens end there
     assert all(rows is None and tokens == out for tokens, rows, out in seen[2:])  # decode only
+
+
+# -- final-only requests (EngineRequest.final_only) ----------------------------------------------
+
+
+def _deltas_of(engine, request):
+    engine.add(request)
+    return [d for d in run_all(engine) if d.request_id == request.request_id]
+
+
+@pytest.mark.parametrize("stop", [(), ("e",)])
+def test_a_final_only_request_gets_its_final_delta_alone_with_the_same_output(engine, stop):
+    from dataclasses import replace
+
+    sampling = dict(max_tokens=24, temperature=0.0, stop=list(stop))
+    streamed = _deltas_of(engine, req("streamed", list(range(40, 52)), **sampling))
+    final = _deltas_of(engine, replace(req("final", list(range(40, 52)), **sampling), final_only=True))
+    assert len(streamed) > 1 and len(final) == 1 and final[0].finished
+    want, got = streamed[-1], final[0]
+    assert got.output_token_ids == want.output_token_ids and got.finish_reason == want.finish_reason
+    assert got.output_text == want.output_text == "".join(d.text_delta for d in streamed)
+    # The last token's delta, as for any request; without stop strings the text was decoded at
+    # the end, in one piece.
+    assert got.new_token_ids == want.new_token_ids == want.output_token_ids[-1:]
+    assert got.text_delta == (got.output_text if not stop else want.text_delta)
+    assert got.usage == want.usage
+
+
+def test_a_final_only_request_with_a_stop_string_stops_where_a_streamed_one_does(engine):
+    from dataclasses import replace
+
+    probe = engine.generate([req("probe", list(range(60, 70)), max_tokens=24, temperature=0.0)])["probe"]
+    stop = probe.output_text[5:8]
+    assert stop.strip()
+    sampling = dict(max_tokens=24, temperature=0.0, stop=[stop])
+    want = _deltas_of(engine, req("s", list(range(60, 70)), **sampling))[-1]
+    got = _deltas_of(engine, replace(req("f", list(range(60, 70)), **sampling), final_only=True))
+    assert len(got) == 1 and want.finish_reason is FinishReason.STOP
+    assert got[0].output_text == want.output_text == probe.output_text[: probe.output_text.index(stop)]
+    assert got[0].output_token_ids == want.output_token_ids
+
+
+def test_an_aborted_final_only_request_keeps_the_text_decoded_so_far(engine):
+    from dataclasses import replace
+
+    engine.add(replace(req("ab", list(range(80, 90)), max_tokens=50, temperature=0.0, ignore_eos=True),
+                       final_only=True))
+    for _ in range(6):
+        assert all(not d.new_token_ids for d in engine.step())  # no token deltas
+    engine.abort("ab")
+    final = [d for d in run_all(engine) if d.request_id == "ab"]
+    assert len(final) == 1 and final[0].finish_reason is FinishReason.ABORTED
+    ids = final[0].output_token_ids
+    assert ids and final[0].output_text == engine.tokenizer.decode(ids, skip_special_tokens=True).rstrip("\ufffd")
+
+
+def test_generate_reads_final_deltas_only_and_leaves_the_callers_requests_alone(engine):
+    r = req("g", max_tokens=12, temperature=0.0, ignore_eos=True)
+    got = engine.generate([r])["g"]
+    assert not r.final_only  # generate marked its own copy
+    streamed = _deltas_of(engine, req("g2", max_tokens=12, temperature=0.0, ignore_eos=True))
+    assert got.output_token_ids == streamed[-1].output_token_ids
+    assert got.output_text == "".join(d.text_delta for d in streamed)
+    assert engine.stats().generated_tokens_total >= 24  # final-only tokens are counted too

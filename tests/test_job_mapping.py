@@ -106,6 +106,12 @@ def test_request_id_and_arrival_time():
     assert req.request_id == "j1#w3-abc" and before <= req.arrival_time <= time.time()
 
 
+def test_only_a_streaming_job_asks_the_engine_for_token_deltas():
+    assert job_to_engine_request(Job.model_validate({"job_id": "a", "prompt": "hi"})).final_only
+    streaming = Job.model_validate({"job_id": "a", "prompt": "hi", "stream": True})
+    assert not job_to_engine_request(streaming).final_only
+
+
 def test_ok_result():
     src = Source(topic="tokenmill.jobs", partition=2, offset=1881)
     r = build_result(job(metadata={"row": 1}), final(), source=src, **WHO)

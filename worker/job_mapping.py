@@ -64,6 +64,7 @@ def job_to_engine_request(
         deadline_ms=None if job.deadline_ms is None else float(job.deadline_ms),
         tenant=job.tenant,
         arrival_time=time.time() if arrival_time is None else arrival_time,
+        final_only=not job.stream,  # only a streaming job's token deltas are read
     )
 
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
+from dataclasses import replace
 from pathlib import Path
 
 from worker.engine.block_manager import BlockManager
@@ -174,7 +175,8 @@ class Engine:
         return [int(t) for t in ids]
 
     def add(self, request: EngineRequest) -> None:
-        """Queue a request. Raises ValueError for a bad one; an over-long prompt finishes as ERROR."""
+        """Queue a request. Raises ValueError for a bad one; an over-long prompt finishes as ERROR.
+        A `final_only` request gets no token deltas, only its final one (EngineRequest)."""
         from worker.engine.detokenizer import IncrementalDetokenizer
 
         if request.request_id in self.requests:
@@ -194,9 +196,11 @@ class Engine:
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+        final_only = request.final_only
+
         def make(r: EngineRequest) -> Request:
-            detokenizer = IncrementalDetokenizer(self.tokenizer, ids, r.sampling.stop)
-            return Request(r, ids, eos_token_ids=self.eos_token_ids, detokenizer=detokenizer)
+            detokenizer = IncrementalDetokenizer(self.tokenizer, ids, r.sampling.stop, deferred=final_only)
+            return Request(r, ids, eos_token_ids=self.eos_token_ids, detokenizer=detokenizer, final_only=final_only)
 
         if params.n > 1:
             group = new_group(request, make)
@@ -413,7 +417,8 @@ class Engine:
                 continue
             taken += 1
             if reason is None:
-                deltas.append(token_delta(req, tok, text, logprobs))
+                if not req.final_only:
+                    deltas.append(token_delta(req, tok, text, logprobs))
             else:
                 ended.append((req, reason))
                 deltas.append(self._ended(req, reason, now, [tok], text, logprobs))
@@ -533,7 +538,7 @@ class Engine:
         """Run requests to completion; returns each request's final delta by request_id."""
         requests = list(requests)
         for r in requests:
-            self.add(r)
+            self.add(replace(r, final_only=True))  # only the final deltas are returned
         wanted = {r.request_id for r in requests}
         results: dict[str, RequestDelta] = {}
         bar = None

@@ -59,6 +59,7 @@ class Request:
         "status", "finish_reason", "error_kind", "error", "num_cached_prompt_tokens", "ever_scheduled",
         "deferred_steps", "first_scheduled_time", "first_token_time", "detokenizer", "sampling_inputs",
         "output_logprobs", "runner_row", "matcher", "prompt_scores", "next_score_pos", "group", "choice",
+        "final_only",
     )
 
     def __init__(
@@ -68,8 +69,11 @@ class Request:
         *,
         eos_token_ids: Sequence[int] = (),
         detokenizer: IncrementalDetokenizer | None = None,
+        final_only: bool = False,
     ) -> None:
         self.request_id = req.request_id
+        # The caller reads only the final delta (Engine.add): no token deltas are built.
+        self.final_only = final_only
         self.sampling: SamplingParams = req.sampling
         self.priority = req.priority
         self.arrival_time = req.arrival_time

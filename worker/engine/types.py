@@ -172,6 +172,12 @@ class EngineRequest:
     deadline_ms: float | None = None  # unix ms; not started by then -> finish_reason EXPIRED
     tenant: str | None = None  # salts the prefix cache: no cache hits across tenants
     arrival_time: float = field(default_factory=time.time)  # unix seconds
+    # The caller reads only the final delta (vLLM's FINAL_ONLY output kind; generate(), the offline
+    # runner and non-streaming jobs): step() builds no token deltas for the request, and without
+    # stop strings its text is decoded once, when it ends (that final delta's text_delta is then
+    # the whole text). The final delta is otherwise as for any request: the whole output in
+    # output_token_ids / output_text / output_logprobs, the last token in new_token_ids / logprobs.
+    final_only: bool = False
 
     def __post_init__(self) -> None:
         given = [x is not None for x in (self.prompt, self.messages, self.prompt_token_ids)]

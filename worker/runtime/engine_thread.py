@@ -8,7 +8,9 @@ backpressure.
 
 Every bit of Python the event loop runs competes with the engine thread for the interpreter lock,
 so only the deltas the caller needs cross over: finished ones, and every delta of the requests
-submitted with `every_delta=True` (streaming). The others are only counted.
+submitted with `every_delta=True` (streaming). The others go to the engine as final-only
+(EngineRequest.final_only): it builds no token deltas for them, and decodes their text once, at
+the end, when they have no stop strings. New tokens are counted from the engine's own tally.
 
 A step that raises for some requests fails only those (the engine finds them, see
 worker/engine/fault_isolation.py): their final deltas say ERROR / INTERNAL with the exception,
@@ -24,6 +26,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import replace
 
 from worker.engine.types import EngineRequest, EngineStats, ErrorKind, FinishReason, RequestDelta, Usage
 
@@ -54,13 +57,17 @@ class EngineThread:
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self.steps = 0
         self.step_seconds = 0.0
+        self._tokens_counted = engine.stats().generated_tokens_total  # output tokens counted so far
 
     # -- called from the event loop -------------------------------------------------------------
     def start(self) -> None:
         self._thread.start()
 
     def submit(self, request: EngineRequest, every_delta: bool = False) -> None:
-        """Queue a request; with every_delta, each of its deltas is handed back, not just the last."""
+        """Queue a request; with every_delta, each of its deltas is handed back, not just the last
+        (without, the engine builds only the last: the request goes in as final_only)."""
+        if request.final_only == every_delta:
+            request = replace(request, final_only=not every_delta)
         self._commands.put((_ADD, (request, every_delta)))
         self._wake.set()
 
@@ -84,8 +91,14 @@ class EngineThread:
         return len(self._every_delta)
 
     # -- the engine thread ----------------------------------------------------------------------
-    def _post(self, deltas: list[RequestDelta], new_tokens: int = 0) -> None:
+    def _post(self, deltas: list[RequestDelta], count_tokens: bool = False) -> None:
+        """Hand deltas and fresh stats to the loop; with count_tokens, also the output tokens the
+        engine took in since the last count (final-only requests' tokens have no deltas)."""
         stats = self.engine.stats(drain_observations=True)
+        new_tokens = 0
+        if count_tokens:
+            new_tokens = max(0, stats.generated_tokens_total - self._tokens_counted)
+            self._tokens_counted = stats.generated_tokens_total
         try:
             self._loop.call_soon_threadsafe(self._on_step, deltas, stats, new_tokens)
         except RuntimeError:  # the loop is closed: we are shutting down
@@ -137,15 +150,14 @@ class EngineThread:
                     deltas = self.engine.step()
                     self.step_seconds += time.perf_counter() - t0
                     self.steps += 1
-                    wanted, new_tokens, every = list(failed), 0, self._every_delta
+                    wanted, every = list(failed), self._every_delta
                     for d in deltas:
-                        new_tokens += len(d.new_token_ids)
                         if d.finished:
                             every.discard(d.request_id)
                             wanted.append(d)
                         elif d.request_id in every:
                             wanted.append(d)
-                    self._post(wanted, new_tokens)
+                    self._post(wanted, count_tokens=True)
                     last_post = time.monotonic()
                     continue
                 if failed or time.monotonic() - last_post >= self._idle_stats_interval_s:
