@@ -1,5 +1,5 @@
 """The CPU element-wise kernels give torch's bits: the add + RMSNorm (whose sum order is torch's,
-found per hidden size) and the rotary of q and k, at any row count and thread count."""
+found per hidden size), the rotary of q and k, and the K/V write, at any row count and thread count."""
 
 import pytest
 import torch
@@ -70,6 +70,29 @@ def test_rotary_is_torchs_bit_for_bit_on_the_fused_qkv_views(heads, kv_heads, he
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("kv_heads, head_dim", [(2, 64), (3, 64), (1, 128)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_kv_write_puts_each_row_in_its_slot_as_index_copy_does(kv_heads, head_dim, threads):
+    gen = torch.Generator().manual_seed(kv_heads * head_dim)
+    before = _threads(threads)
+    try:
+        for rows in (1, 5, 256, 700):
+            width = kv_heads * head_dim
+            qkv = torch.randn(rows, 3 * width + 8, generator=gen)  # k and v: row-strided views, as in a layer
+            k = qkv[:, width : 2 * width].view(rows, kv_heads, head_dim)
+            v = qkv[:, 2 * width : 3 * width].view(rows, kv_heads, head_dim)
+            shape = (64, 16, kv_heads, head_dim)
+            key_cache, value_cache = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+            want_k, want_v = key_cache.clone(), value_cache.clone()
+            slots = torch.randperm(64 * 16, generator=gen)[:rows]
+            want_k.view(-1, kv_heads, head_dim).index_copy_(0, slots, k)
+            want_v.view(-1, kv_heads, head_dim).index_copy_(0, slots, v)
+            assert cpu_elementwise.write_kv(k, v, key_cache, value_cache, slots)
+            assert torch.equal(key_cache, want_k) and torch.equal(value_cache, want_v), rows
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_what_the_kernels_do_not_take_is_left_to_torch(monkeypatch):
     x, weight = torch.randn(4, 64), torch.randn(64)
     assert cpu_elementwise.add_rms_norm(x.bfloat16(), None, weight.bfloat16(), 1e-5) is None
@@ -78,9 +101,16 @@ def test_what_the_kernels_do_not_take_is_left_to_torch(monkeypatch):
     q, cos = torch.randn(4, 2, 8), torch.randn(4, 1, 4)
     assert cpu_elementwise.rotary_qk(q, q.transpose(1, 2).contiguous().transpose(1, 2), cos, cos) is None
     assert cpu_elementwise.rotary_qk(q, q, cos[:, :, :2], cos[:, :, :2]) is None
+    kv, cache, slots = torch.randn(4, 2, 8), torch.zeros(2, 4, 2, 8), torch.arange(4)
+    assert not cpu_elementwise.write_kv(kv, kv, cache, cache, slots.int())  # int32 slots
+    assert not cpu_elementwise.write_kv(kv, kv, cache.transpose(0, 1), cache, slots)  # a strided cache
+    assert not cpu_elementwise.write_kv(kv.transpose(1, 2).contiguous().transpose(1, 2), kv, cache, cache, slots)
+    assert not cpu_elementwise.write_kv(kv.double(), kv.double(), cache.double(), cache.double(), slots)
+    assert not cache.any()  # nothing written by a refusal
     monkeypatch.setenv(cpu_elementwise.DISABLE_ENV, "0")
     assert cpu_elementwise.add_rms_norm(x, None, weight, 1e-5) is None
     assert cpu_elementwise.rotary_qk(q, q, cos, cos) is None
+    assert not cpu_elementwise.write_kv(kv, kv, cache, cache, slots)
 
 
 def test_engine_outputs_are_the_same_with_the_kernels_off(tiny_qwen3_dir, monkeypatch):

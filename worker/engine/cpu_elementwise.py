@@ -5,7 +5,9 @@ per call, every one a pass over the step's [T, hidden] tensor and a dispatch: at
 shape one layer's add + norm takes 30 us at 128 rows and 1.2 ms at 2,048, and below 32,768
 elements an op runs on one thread, so at two threads these layers did not speed up at all (0.92x
 in the profile of docs/engine.md). Here each is one pass over the rows, split over torch's own
-OpenMP threads (the library links torch's libgomp, as the decode-attention kernel does).
+OpenMP threads (the library links torch's libgomp, as the decode-attention kernel does). The
+K/V write into the paged cache is here too: two index_copy_ calls per layer took 0.16-0.17 s of a
+2-thread tiny-llama `mixed` run (0.23 s on one thread), one pass over the rows 0.08 (0.12).
 
 Same bits as the torch layers (worker/engine/layers.py), so greedy output does not move:
 - The add, the squares, the scales and the rotation are single float32 operations, rounded once
@@ -142,6 +144,19 @@ void rotary_qk_f32(const float *q, int64_t q_stride, int64_t qh, const float *k,
         }
     }
 }
+
+/* The K/V write: row r of k and of v (width floats each, row strides given) into cache slot
+   slots[r] of key_cache and value_cache ([slots, width], contiguous). A plain copy, so any bits. */
+void write_kv_f32(const float *k, int64_t k_stride, const float *v, int64_t v_stride, float *key_cache,
+                  float *value_cache, const int64_t *slots, int64_t rows, int64_t width, int64_t n_threads) {
+    const size_t bytes = (size_t)width * sizeof(float);
+    #pragma omp parallel for num_threads(n_threads) schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+        const int64_t slot = slots[r];
+        memcpy(key_cache + slot * width, k + r * k_stride, bytes);
+        memcpy(value_cache + slot * width, v + r * v_stride, bytes);
+    }
+}
 """
 
 
@@ -151,6 +166,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.add_rms_norm_f32.restype = None
     lib.rotary_qk_f32.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64, ptr, ptr, i64]
     lib.rotary_qk_f32.restype = None
+    lib.write_kv_f32.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64]
+    lib.write_kv_f32.restype = None
 
 
 _library = OnDemandLibrary("cpu_elementwise", _SOURCE, "CPU element-wise kernels", _declare)
@@ -250,3 +267,27 @@ def rotary_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Te
     lib.rotary_qk_f32(q.data_ptr(), q.stride(0), qh, k.data_ptr(), k.stride(0), kh, cos.data_ptr(), sin.data_ptr(),
                       d, rows, out_q.data_ptr(), out_k.data_ptr(), _threads(rows * (qh + kh) * d))
     return out_q, out_k
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> bool:
+    """The step's K/V rows into their cache slots in one pass over the rows on torch's threads (two
+    index_copy_ calls are two dispatches and, at decode sizes, one thread each); False where it does
+    not apply (the caller copies with torch). key and value are [T, kv_heads, d], rows strided, heads
+    contiguous; the caches [blocks, block_size, kv_heads, d], contiguous; slot_mapping int64 [T].
+    The caller guarantees the slots are in range (they come from the block tables)."""
+    if not _fits(key, value, key_cache, value_cache) or key.dim() != 3 or value.shape != key.shape:
+        return False
+    rows, heads, d = key.shape
+    if (slot_mapping.dtype != torch.int64 or slot_mapping.shape != (rows,) or not slot_mapping.is_contiguous()
+            or key_cache.shape[2:] != (heads, d) or value_cache.shape != key_cache.shape
+            or not key_cache.is_contiguous() or not value_cache.is_contiguous()
+            or key.stride(2) != 1 or key.stride(1) != d or value.stride(2) != 1 or value.stride(1) != d):
+        return False
+    lib = _lib()
+    if lib is None:
+        return False
+    width = heads * d
+    lib.write_kv_f32(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), key_cache.data_ptr(),
+                     value_cache.data_ptr(), slot_mapping.data_ptr(), rows, width, _threads(2 * rows * width))
+    return True

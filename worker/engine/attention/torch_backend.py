@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from worker.engine import cpu_elementwise
 from worker.engine.attention import AttentionMetadata, cpu_amx_prefill, cpu_decode_kernel
 
 # Decode bucketing: a bucket grows while its longest row has at most this factor more blocks than its
@@ -127,6 +128,8 @@ class TorchAttentionBackend:
         value_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
+        if key.device.type == "cpu" and cpu_elementwise.write_kv(key, value, key_cache, value_cache, slot_mapping):
+            return
         num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
         key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
         value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
