@@ -235,6 +235,19 @@ def test_bad_metadata_is_a_clear_error(use_cpu_kernel):
         backend.attend(case["query"], case["key_cache"], case["value_cache"], meta, 1.0)
 
 
+@pytest.mark.parametrize("use_cpu_kernel", PATHS)
+def test_the_first_bad_row_is_named(use_cpu_kernel):
+    case = random_case(4, [(1, 9), (2, 5), (1, 30)], 2, 2, 8, 4)
+    meta = case["meta"]
+    meta.block_tables = meta.block_tables[:, :3]  # row 2 needs 8 blocks
+    meta.seq_lens_cpu = [9, 1, 30]  # row 1: 2 query tokens for a sequence of 1
+    with pytest.raises(ValueError, match="row 1: 2 query tokens for a sequence of length 1"):
+        build_plan(meta, 4, num_kv_heads=2, use_kernel=use_cpu_kernel)
+    meta.seq_lens_cpu = [9, 5, 30]
+    with pytest.raises(ValueError, match="row 2: length 30 needs 8 blocks, block table has 3"):
+        build_plan(meta, 4, num_kv_heads=2, use_kernel=use_cpu_kernel)
+
+
 def test_factory():
     assert isinstance(get_attention_backend("torch", "cpu"), TorchAttentionBackend)
     assert isinstance(get_attention_backend("auto", "cpu"), TorchAttentionBackend)

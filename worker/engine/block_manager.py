@@ -131,6 +131,8 @@ class BlockManager:
         `cached_blocks` (from find_cached_prefix, only for a request with an empty block table) are
         shared first; then fresh blocks from the free list cover the rest.
         """
+        if not cached_blocks and num_tokens <= len(state.block_table) * self.block_size:
+            return True  # the table holds them already: most decode steps, every step of the batch
         if cached_blocks and state.block_table:
             raise ValueError("cached prefix blocks can only start an empty block table")
         if not self.can_allocate(state, num_tokens, cached_blocks):

@@ -186,7 +186,10 @@ def _threads(elements: int) -> int:
 
 
 def _fits(*tensors: torch.Tensor) -> bool:
-    return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+    for t in tensors:  # a plain loop: this runs several times per layer, on the step's host path
+        if not t.is_cpu or t.dtype is not torch.float32:
+            return False
+    return True
 
 
 def _row_ok(t: torch.Tensor) -> bool:
