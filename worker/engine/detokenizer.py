@@ -27,7 +27,7 @@ request must generate anyway; from the first ``add`` with ``check_stop=True`` on
 counts only if it ends in text decoded from that token on, so an occurrence that completed earlier
 never ends the request, while one that started earlier and completes now does.
 
-A request whose caller reads only its final text (``deferred``, Engine.add's final_only) and that
+A request whose caller reads only its final text (``deferred``: EngineRequest.final_only) and that
 has no stop strings is not decoded token by token at all: ``add`` keeps the id, and ``flush`` (or
 reading ``text``) decodes the whole output in one window, the prompt's last tokens as context.
 
@@ -181,9 +181,7 @@ class IncrementalDetokenizer:
         if not piece:
             return "", False
         if not self._stop:  # nothing is ever held back for a stop string: the piece goes out as it is
-            self._released.append(piece)
-            self._released_len += len(piece)
-            return piece, False
+            return self._keep(piece), False
         return self._release(piece)
 
     def flush(self) -> str:
@@ -201,13 +199,16 @@ class IncrementalDetokenizer:
 
     # -- internals -------------------------------------------------------------------------------
 
-    def _release_deferred(self, final: bool) -> str:
-        """Deferred mode: decode the ids added since the last release as one window."""
-        piece = self._decode_new(final=final)
+    def _keep(self, piece: str) -> str:
+        """Record text that goes out as it is (no stop string can hold it back); returns it."""
         if piece:
             self._released.append(piece)
             self._released_len += len(piece)
         return piece
+
+    def _release_deferred(self, final: bool) -> str:
+        """Deferred mode: decode the ids added since the last release as one window."""
+        return self._keep(self._decode_new(final=final))
 
     def _add_streamed(self, token_id: int) -> str:
         """add() without stop strings: DecodeStream gives the window's new text, or None while the
@@ -218,20 +219,13 @@ class IncrementalDetokenizer:
         except Exception:  # noqa: BLE001 - e.g. its prefix check on an unusual decoder
             # The offsets match the stream's window, so the Python path takes over from here.
             self._stream = None
-            piece = self._decode_new(final=False)
-            if piece:
-                self._released.append(piece)
-                self._released_len += len(piece)
-            return piece
+            return self._keep(self._decode_new(final=False))
         if piece is None:
             return ""
         # The stream moved its window on: so do the offsets, so that flush() decodes what it holds.
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
         self._prefix_text = None
-        if piece:
-            self._released.append(piece)
-            self._released_len += len(piece)
-        return piece
+        return self._keep(piece)
 
     def _decode_new(self, final: bool) -> str:
         """Text of ids[read_offset:] not returned before.
