@@ -1,5 +1,6 @@
 """The CPU element-wise kernels give torch's bits: the add + RMSNorm (whose sum order is torch's,
-found per hidden size), the rotary of q and k, and the K/V write, at any row count and thread count."""
+found per hidden size), the rotary of q and k, the K/V write, and the rotary and K/V write in one
+pass, at any row count and thread count."""
 
 import pytest
 import torch
@@ -91,6 +92,84 @@ def test_kv_write_puts_each_row_in_its_slot_as_index_copy_does(kv_heads, head_di
             assert torch.equal(key_cache, want_k) and torch.equal(value_cache, want_v), rows
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 2, 64), (9, 3, 64), (16, 8, 128), (2, 2, 6)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_rotary_and_kv_write_in_one_pass_are_the_two_calls_bit_for_bit(heads, kv_heads, head_dim, threads):
+    """The fused pass gives rotary_qk's q and writes exactly what rotary_qk's k and write_kv would,
+    to the same slots and nowhere else, from a row-strided fused projection."""
+    gen = torch.Generator().manual_seed(heads * head_dim + 1)
+    before = _threads(threads)
+    try:
+        for rows in (1, 5, 128, 700):
+            width = (heads + 2 * kv_heads) * head_dim
+            qkv = (torch.randn(rows, width + 8, generator=gen) * 10)[:, 8:]
+            qk = qkv[:, : (heads + kv_heads) * head_dim].view(rows, heads + kv_heads, head_dim)
+            v = qkv[:, (heads + kv_heads) * head_dim :].view(rows, kv_heads, head_dim)
+            cos = torch.randn(rows, 1, head_dim // 2, generator=gen)
+            sin = torch.randn(rows, 1, head_dim // 2, generator=gen)
+            shape = (64, 16, kv_heads, head_dim)
+            key_cache, value_cache = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+            want_k, want_v = key_cache.clone(), value_cache.clone()
+            slots = torch.randperm(64 * 16, generator=gen)[:rows]
+            want_q, rotated_k = cpu_elementwise.rotary_qk(qk[:, :heads], qk[:, heads:], cos, sin)
+            assert cpu_elementwise.write_kv(rotated_k, v, want_k, want_v, slots)
+            got_q = cpu_elementwise.rotary_write_kv(qkv, heads, kv_heads, cos, sin, key_cache, value_cache, slots)
+            assert got_q is not None and got_q.is_contiguous() and got_q.shape == (rows, heads, head_dim)
+            assert torch.equal(got_q, want_q), rows
+            assert torch.equal(key_cache, want_k) and torch.equal(value_cache, want_v), rows
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_fused_pass_refuses_what_it_cannot_take_and_writes_nothing(monkeypatch):
+    qkv, cos = torch.randn(4, 4 * 8), torch.randn(4, 1, 4)
+    cache, slots = torch.zeros(2, 4, 1, 8), torch.arange(4)
+
+    def fused(qkv=qkv, heads=2, kv_heads=1, cos=cos, cache=cache, slots=slots):
+        return cpu_elementwise.rotary_write_kv(qkv, heads, kv_heads, cos, cos, cache, cache, slots)
+
+    assert fused() is not None and cache.any()  # it applies to these shapes
+    cache.zero_()
+    assert fused(heads=3) is None  # q + k + v heads do not add up to the projection's width
+    assert fused(kv_heads=2) is None  # the cache holds one kv head
+    assert fused(qkv=qkv.t().contiguous().t()) is None  # columns strided
+    assert fused(qkv=qkv.double(), cos=cos.double(), cache=cache.double()) is None
+    assert fused(cache=cache.transpose(0, 1)) is None  # a strided cache
+    assert fused(slots=slots.int()) is None
+    assert fused(slots=slots[:3]) is None
+    assert fused(cos=cos[:, :, :2]) is None
+    assert not cache.any()  # nothing written by a refusal
+    monkeypatch.setenv(cpu_elementwise.DISABLE_ENV, "0")
+    assert fused() is None and not cache.any()
+
+
+def test_llama_outputs_are_the_same_with_the_fused_pass_off(tiny_llama_dir, monkeypatch):
+    """Llama (no q/k norm) takes the fused rotary + K/V write in every layer: prefill rows, decode rows
+    and the last layer's output rows give the same tokens and logprobs as the torch ops."""
+    from worker.engine import Engine, EngineConfig, EngineRequest, SamplingParams
+    from worker.engine.models import ops
+
+    calls = []
+    fused = ops.TorchOps.rotary_write_kv
+    monkeypatch.setattr(ops.TorchOps, "rotary_write_kv", lambda self, *a: calls.append(1) or fused(self, *a))
+    gen = torch.Generator().manual_seed(12)
+    prompts = [torch.randint(3, 2000, (n,), generator=gen).tolist() for n in (1, 17, 40, 90)]
+
+    def run():
+        engine = Engine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", kv_cache_gb=0.02))
+        res = engine.generate([EngineRequest(request_id=f"e{i}", prompt_token_ids=p,
+                                             sampling=SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True,
+                                                                     logprobs=3))
+                               for i, p in enumerate(prompts)])
+        return [(list(res[f"e{i}"].output_token_ids), [lp.logprob for lp in res[f"e{i}"].output_logprobs])
+                for i in range(len(prompts))]
+
+    on = run()
+    assert calls  # the fused pass ran
+    monkeypatch.setenv(cpu_elementwise.DISABLE_ENV, "0")
+    assert run() == on
 
 
 def test_what_the_kernels_do_not_take_is_left_to_torch(monkeypatch):

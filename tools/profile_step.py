@@ -10,8 +10,8 @@ add up to the run's wall time. The parts:
 - GEMM             the layers' projections (qkv, o, gate_up, down): F.linear, oneDNN or AMX
 - LM head          compute_logits
 - decode attention (the C kernel or the torch path), prefill attention (SDPA or the AMX kernel, and
-  the C kernel's share for short prefill rows, split from one call by keys read), KV write, attention, other
-  (the per-step plan, output copies)
+  the C kernel's share for short prefill rows, split from one call by keys read), KV write (with the
+  rotary of q and k where the two are one C pass), attention, other (the per-step plan, output copies)
 - element-wise     norms, rotary, SiLU x mul
 - forward, other   the rest of the model's forward (embedding, index_select, Python per layer)
 - sampling         launch_sampling (the sampler, ids to the host)
@@ -107,6 +107,7 @@ def _instrument(stack: ExitStack, timer: PartTimer) -> None:
         (DecoderForCausalLM, "compute_logits", "LM head"),
         (DecoderForCausalLM, "greedy_ids", "LM head"),
         (TorchAttentionBackend, "write_kv", "KV write"),
+        (ops_module.TorchOps, "rotary_write_kv", "KV write"),  # with the rotary, where the two are one pass
         (TorchAttentionBackend, "attend", "attention, other"),
         (TorchAttentionBackend, "_decode", "decode attention"),
         (TorchAttentionBackend, "_prefill", "prefill attention"),

@@ -118,6 +118,23 @@ void add_rms_norm_f32(const float *x, int64_t x_stride, const float *res, int64_
     }
 }
 
+/* Neox rotary of `heads` heads of d floats from src into dst: first half and second half rotate
+   together, each product and sum rounded once, in the reference's order. */
+static inline void rotate_heads(const float *src, float *dst, int64_t heads, int64_t d, const float *c,
+                                const float *s) {
+    const int64_t half = d / 2;
+    for (int64_t h = 0; h < heads; ++h) {
+        const float *x = src + h * d;
+        float *o = dst + h * d;
+        for (int64_t i = 0; i < half; ++i) {
+            const float a = x[i] * c[i], b = x[half + i] * s[i];
+            const float e = x[half + i] * c[i], f = x[i] * s[i];
+            o[i] = a - b;
+            o[half + i] = e + f;
+        }
+    }
+}
+
 /* Neox rotary of q [rows, qh, d] and k [rows, kh, d] (row strides given, heads contiguous), into
    contiguous outputs; cos and sin are [rows, d / 2]. */
 void rotary_qk_f32(const float *q, int64_t q_stride, int64_t qh, const float *k, int64_t k_stride, int64_t kh,
@@ -127,21 +144,26 @@ void rotary_qk_f32(const float *q, int64_t q_stride, int64_t qh, const float *k,
     #pragma omp parallel for num_threads(n_threads) schedule(static)
     for (int64_t r = 0; r < rows; ++r) {
         const float *c = cos_t + r * half, *s = sin_t + r * half;
-        for (int64_t part = 0; part < 2; ++part) {
-            const int64_t heads = part ? kh : qh;
-            const float *src = part ? k + r * k_stride : q + r * q_stride;
-            float *dst = part ? out_k + r * kh * d : out_q + r * qh * d;
-            for (int64_t h = 0; h < heads; ++h) {
-                const float *x = src + h * d;
-                float *o = dst + h * d;
-                for (int64_t i = 0; i < half; ++i) {
-                    const float a = x[i] * c[i], b = x[half + i] * s[i];
-                    const float e = x[half + i] * c[i], f = x[i] * s[i];
-                    o[i] = a - b;
-                    o[half + i] = e + f;
-                }
-            }
-        }
+        rotate_heads(q + r * q_stride, out_q + r * qh * d, qh, d, c, s);
+        rotate_heads(k + r * k_stride, out_k + r * kh * d, kh, d, c, s);
+    }
+}
+
+/* One layer's rotary and K/V write from its fused projection qkv [rows, (qh + 2 kh) d] (row stride
+   given; q heads, then k heads, then v heads): q rotated into out_q [rows, qh, d], k rotated straight
+   into its cache slot, v copied into its slot (caches [slots, kh * d], contiguous). The same bits as
+   rotary_qk_f32 then write_kv_f32, with one pass and no rotated-k tensor in between. */
+void rotary_write_kv_f32(const float *qkv, int64_t stride, int64_t qh, int64_t kh, int64_t d,
+                         const float *cos_t, const float *sin_t, int64_t rows, const int64_t *slots,
+                         float *out_q, float *key_cache, float *value_cache, int64_t n_threads) {
+    const int64_t half = d / 2, width = kh * d;
+    #pragma omp parallel for num_threads(n_threads) schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *row = qkv + r * stride, *c = cos_t + r * half, *s = sin_t + r * half;
+        const int64_t slot = slots[r];
+        rotate_heads(row, out_q + r * qh * d, qh, d, c, s);
+        rotate_heads(row + qh * d, key_cache + slot * width, kh, d, c, s);
+        memcpy(value_cache + slot * width, row + (qh + kh) * d, (size_t)width * sizeof(float));
     }
 }
 
@@ -168,6 +190,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.rotary_qk_f32.restype = None
     lib.write_kv_f32.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64]
     lib.write_kv_f32.restype = None
+    lib.rotary_write_kv_f32.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64]
+    lib.rotary_write_kv_f32.restype = None
 
 
 _library = OnDemandLibrary("cpu_elementwise", _SOURCE, "CPU element-wise kernels", _declare)
@@ -294,3 +318,32 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, va
     lib.write_kv_f32(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), key_cache.data_ptr(),
                      value_cache.data_ptr(), slot_mapping.data_ptr(), rows, width, _threads(2 * rows * width))
     return True
+
+
+def rotary_write_kv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos: torch.Tensor, sin: torch.Tensor,
+                    key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor | None:
+    """One layer's rotary and K/V write in one pass over the rows of its fused projection: returns
+    the rotated q [T, num_heads, d] (new, contiguous) after writing the rotated k and v into their
+    cache slots, the same bits as rotary_qk then write_kv; None where it does not apply (then the
+    caller's separate calls, and nothing has been written). qkv is [T, (num_heads + 2 num_kv_heads) d],
+    rows strided, columns contiguous; the caches [blocks, block_size, num_kv_heads, d], contiguous;
+    cos and sin [T, 1, d / 2]; slot_mapping int64 [T]. The caller guarantees the slots are in range
+    (they come from the block tables)."""
+    if not _fits(qkv, cos, sin, key_cache, value_cache) or qkv.dim() != 2 or qkv.stride(1) != 1:
+        return None
+    rows = qkv.shape[0]
+    d = key_cache.shape[-1] if key_cache.dim() == 4 else 0
+    if (not d or d % 2 or key_cache.shape[2] != num_kv_heads or qkv.shape[1] != (num_heads + 2 * num_kv_heads) * d
+            or value_cache.shape != key_cache.shape or not key_cache.is_contiguous() or not value_cache.is_contiguous()
+            or slot_mapping.dtype != torch.int64 or slot_mapping.shape != (rows,) or not slot_mapping.is_contiguous()
+            or cos.shape != (rows, 1, d // 2) or sin.shape != cos.shape or not cos.is_contiguous()
+            or not sin.is_contiguous()):
+        return None
+    lib = _lib()
+    if lib is None or rows == 0:
+        return None
+    out_q = torch.empty(rows, num_heads, d)
+    lib.rotary_write_kv_f32(qkv.data_ptr(), qkv.stride(0), num_heads, num_kv_heads, d, cos.data_ptr(), sin.data_ptr(),
+                            rows, slot_mapping.data_ptr(), out_q.data_ptr(), key_cache.data_ptr(),
+                            value_cache.data_ptr(), _threads(rows * qkv.shape[1]))
+    return out_q

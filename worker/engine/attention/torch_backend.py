@@ -103,6 +103,9 @@ class TorchAttentionBackend:
     """AttentionBackend in torch, plus the C decode kernel on the CPU (any device; the CPU default)."""
 
     name = "torch"
+    # write_kv is a plain copy into the shared cache layout, so the layer's ops may write the cache
+    # themselves in a pass fused with the rotary (models/ops.py, TorchOps.rotary_write_kv).
+    kv_write_is_plain_copy = True
 
     def __init__(self, use_cpu_kernel: bool | None = None) -> None:
         """use_cpu_kernel: decode rows through the C kernel for fp32 CPU tensors (None = when it builds)."""

@@ -97,13 +97,19 @@ class DecoderLayer(nn.Module):
     def _attention(self, x, rope, meta, kv_cache, backend, ops, output_rows=None) -> torch.Tensor:
         t = x.shape[0]
         qkv = self._linear(x, "qkv_weight", self.qkv_bias)
-        qk = qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
-        if self.qk_norm is not None:
-            qk = rms_norm(qk, self.qk_norm, self.eps)
-        q, k = ops.rotary_qk(rope, qk[:, : self.num_heads], qk[:, self.num_heads :])
-        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         key_cache, value_cache = kv_cache
-        backend.write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
+        q = None
+        if self.qk_norm is None and getattr(backend, "kv_write_is_plain_copy", False):
+            # The rotary and the K/V write in one pass over qkv where the ops have one (the CPU).
+            q = ops.rotary_write_kv(rope, qkv, self.num_heads, self.num_kv_heads, key_cache, value_cache,
+                                    meta.slot_mapping)
+        if q is None:
+            qk = qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
+            if self.qk_norm is not None:
+                qk = rms_norm(qk, self.qk_norm, self.eps)
+            q, k = ops.rotary_qk(rope, qk[:, : self.num_heads], qk[:, self.num_heads :])
+            v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
+            backend.write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
         if output_rows is not None:
             # Every token's K/V is in the cache now; only the output rows need the rest.
             q, meta = q.index_select(0, output_rows.index), output_rows.meta

@@ -55,6 +55,15 @@ class TorchOps:
             return fused
         return apply_rotary(q, rope.cos, rope.sin), apply_rotary(k, rope.cos, rope.sin)
 
+    def rotary_write_kv(self, rope: RopeInputs, qkv: torch.Tensor, num_heads: int, num_kv_heads: int,
+                        key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor):
+        """The rotated q [T, num_heads, head_dim] after writing the rotated k and v of the fused
+        projection qkv into their cache slots, or None (nothing written) where there is no fused
+        pass: float32 on the CPU, one C pass over the rows (worker/engine/cpu_elementwise.py)."""
+        assert rope.cos is not None and rope.sin is not None  # set by rope_inputs
+        return cpu_elementwise.rotary_write_kv(qkv, num_heads, num_kv_heads, rope.cos, rope.sin, key_cache,
+                                               value_cache, slot_mapping)
+
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         return silu_and_mul(x)
 
@@ -83,6 +92,9 @@ class TritonOps:
 
     def rotary_qk(self, rope: RopeInputs, q: torch.Tensor, k: torch.Tensor):
         return self._rotary(rope.positions, q, k, self.cos_sin_cache)  # in place on the views
+
+    def rotary_write_kv(self, rope, qkv, num_heads, num_kv_heads, key_cache, value_cache, slot_mapping):
+        return None  # the rotary runs in place on qkv and the backend's kernel writes the cache
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         return self._silu_mul(x)
