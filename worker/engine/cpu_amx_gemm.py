@@ -337,6 +337,7 @@ def _declare(lib: ctypes.CDLL) -> None:
 _library = OnDemandLibrary("cpu_amx_gemm", _SOURCE, "AMX split-bfloat16 GEMM", _declare)
 _lock = threading.Lock()
 _ready: bool | None = None
+_self_checking = False  # set while available() runs the self-check (under _lock)
 _workspaces = threading.local()  # each thread's split rows and partial sums (steps in parts run side by side)
 
 _NEEDED_FLAGS = ("amx_bf16", "amx_tile", "avx512_bf16")
@@ -363,7 +364,7 @@ class SplitWeight:
     def __init__(self, weight: torch.Tensor):
         # available() also asks the kernel for the tile state: without it the first tile
         # instruction kills the process (SIGILL).
-        lib = _library.get() if _ready or available() else None
+        lib = _library.get() if _ready or _self_checking or available() else None
         if lib is None:
             raise RuntimeError("the AMX GEMM is not available on this machine (cpu_amx_gemm.available())")
         self.n, self.k = weight.shape
@@ -449,11 +450,14 @@ def _self_check() -> bool:
 def available() -> bool:
     """True when float32 weights can run on the AMX split kernel here (checked once per process)."""
     global _ready
+    global _self_checking
     if switch(DISABLE_ENV) is False:
         return False
+    if _ready is not None:  # settled: every layer of every step asks, so no lock then
+        return _ready
     with _lock:
         if _ready is None:
-            _ready = False
+            ready = False
             if not _cpu_has_amx():
                 log.info("no AMX on this CPU: float32 GEMMs stay on oneDNN / MKL")
             elif (lib := _library.get()) is None:
@@ -461,11 +465,15 @@ def available() -> bool:
             elif not lib.amx_request_permission():
                 log.info("the kernel refused the AMX tile state: float32 GEMMs stay on oneDNN / MKL")
             else:
-                _ready = True  # for the self-check's own SplitWeights; reset below if it fails
-                with torch.inference_mode():
-                    _ready = _self_check()
-                if not _ready:
+                _self_checking = True  # the self-check's own SplitWeights may be built
+                try:
+                    with torch.inference_mode():
+                        ready = _self_check()
+                finally:
+                    _self_checking = False
+                if not ready:
                     log.warning("the AMX GEMM failed its self-check: float32 GEMMs stay on oneDNN / MKL")
+            _ready = ready  # only the final answer: read without the lock above
         return _ready
 
 

@@ -169,14 +169,17 @@ def available() -> bool:
     global _ready
     if not cpu_amx_gemm.available():
         return False
+    if _ready is not None:  # settled: every layer of every step asks, so no lock then
+        return _ready
     with _lock:
         if _ready is None:
-            _ready = _library.get() is not None
-            if _ready:
+            ready = _library.get() is not None
+            if ready:
                 with torch.inference_mode():
-                    _ready = _self_check()
-                if not _ready:
+                    ready = _self_check()
+                if not ready:
                     log.warning("the AMX prefill attention failed its self-check: prefills keep the other kernels")
+            _ready = ready  # only the final answer: read without the lock above
         return _ready
 
 
