@@ -41,6 +41,23 @@ def test_the_token_is_the_full_heads_argmax_at_every_row_count(hidden_size):
     assert 300 <= screen.last_candidates < 300 * 64
 
 
+def test_the_screen_meets_every_row_count_at_load_not_in_the_first_batch(monkeypatch):
+    """Building the screen runs its bfloat16 GEMM once at each row count a step can give it, so
+    oneDNN's first-use work for each count is done at load; a later call at any count is one of them."""
+    seen = []
+    real = cpu_gemm.linear
+    monkeypatch.setattr(cpu_gemm, "linear", lambda x, *a: seen.append((x.shape[0], x.dtype)) or real(x, *a))
+    weight = _head(1024, 64)
+    packed = cpu_gemm.pack(weight)
+    seen.clear()
+    screen = greedy_head.GreedyScreen.build(weight, packed)
+    assert screen is not None
+    counts = cpu_gemm.row_counts()
+    assert {rows for rows, dtype in seen if dtype == torch.bfloat16} == set(counts)
+    assert len(counts) == 32 and counts[0] == cpu_gemm.MAX_ROWS
+    assert {cpu_gemm._padded_rows(rows) for rows in range(1, cpu_gemm.MAX_ROWS + 1)} == set(counts)
+
+
 def test_candidate_logits_are_the_full_heads_bits():
     weight = _head(2048, 576, seed=3)
     packed = cpu_gemm.pack(weight)

@@ -165,6 +165,11 @@ def _padded_rows(rows: int) -> int:
     return -(-rows // step) * step
 
 
+def row_counts() -> list[int]:
+    """Every row count a GEMM call of 1 to MAX_ROWS rows runs at (_padded_rows), largest first."""
+    return sorted({_padded_rows(rows) for rows in range(1, MAX_ROWS + 1)}, reverse=True)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None) -> torch.Tensor:
     """x @ weight.T + bias: on the packed weight when there is one, else F.linear."""
     if packed is None:

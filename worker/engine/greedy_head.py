@@ -310,6 +310,7 @@ class GreedyScreen:
                 log.info("greedy screen off: no K blocking reproduces this LM head's float32 logits")
                 return None
             packed = torch.ops.mkldnn._reorder_linear_weight(weight.to(torch.bfloat16), cpu_gemm.PACK_ROWS_HINT)
+            _warm_every_row_count(weight, packed)
         return cls(weight, packed, k_block, lib)
 
     def greedy_ids(self, hidden: torch.Tensor) -> torch.Tensor | None:
@@ -349,6 +350,19 @@ class GreedyScreen:
         a = torch.linalg.vector_norm(h - h_b, dim=1, keepdim=True) + self.gamma * torch.linalg.vector_norm(h_b, dim=1, keepdim=True)
         return (a * self.col_bf16_norm.double() + norm * self.col_rest.double() + self.d_rel * screen.double().abs()
                 + self.abs_term * (norm + self.w_max + 1.0))
+
+
+def _warm_every_row_count(weight: torch.Tensor, packed_bf16: torch.Tensor) -> None:
+    """The screen's GEMM once at each row count a step can give it (cpu_gemm.row_counts), at load.
+
+    Why: oneDNN builds its kernel for a bfloat16 product the first time it meets a row count, and
+    that first call maps fresh memory. A batch that grows through the 32 counts paid 8-12k page
+    faults for it in the first batch after start, only: 0.2-0.5 s of a 2-thread tiny-llama `mixed`
+    run, where both threads wait on the kernel's page-table work, and little of a 1-thread run, so
+    it showed as worse scaling. All 32 at tiny-llama's head take about 45 ms, once per model."""
+    x = torch.zeros(cpu_gemm.MAX_ROWS, weight.shape[1], dtype=torch.bfloat16)
+    for rows in cpu_gemm.row_counts():
+        cpu_gemm.linear(x[:rows], weight, None, packed_bf16)
 
 
 def _find_k_block(lib: ctypes.CDLL, weight: torch.Tensor, packed_f32: torch.Tensor) -> int | None:
