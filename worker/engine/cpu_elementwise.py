@@ -7,7 +7,9 @@ elements an op runs on one thread, so at two threads these layers did not speed 
 in the profile of docs/engine.md). Here each is one pass over the rows, split over torch's own
 OpenMP threads (the library links torch's libgomp, as the decode-attention kernel does). The
 K/V write into the paged cache is here too: two index_copy_ calls per layer took 0.16-0.17 s of a
-2-thread tiny-llama `mixed` run (0.23 s on one thread), one pass over the rows 0.08 (0.12).
+2-thread tiny-llama `mixed` run (0.23 s on one thread), one pass over the rows 0.08 (0.12). Where
+the model has no q/k norm, the rotary and the K/V write are one pass over the fused projection
+(rotary_write_kv): k goes rotated straight into its cache slot, with no tensor between.
 
 Same bits as the torch layers (worker/engine/layers.py), so greedy output does not move:
 - The add, the squares, the scales and the rotation are single float32 operations, rounded once
