@@ -51,6 +51,63 @@ def test_as_close_to_float64_as_sdpa(context, tokens, heads, kv_heads, d):
 
 
 @needs_amx
+@pytest.mark.parametrize("threads", [1, 2])
+def test_many_rows_in_one_call_give_each_row_the_bits_of_its_own_call(threads):
+    # Rows of unequal length (a fresh prompt, chunks after context, a long one, one of 32 tokens),
+    # their tokens in a different order from their block table rows, with gaps between them.
+    block_size, kv_heads, heads, d = 16, 2, 6, 64
+    key_cache, value_cache = _cache(160, block_size, kv_heads, d, seed=3)
+    specs = [(40, 0), (33, 70), (300, 0), (32, 200), (90, 5)]  # (tokens, context)
+    g = torch.Generator().manual_seed(4)
+    perm = torch.randperm(160, generator=g).to(torch.int32)
+    width = 40
+    tables = torch.zeros(len(specs) + 1, width, dtype=torch.int32)
+    rows, start, used = [], 3, 0
+    for i, (tokens, context) in enumerate(specs):
+        n_blocks = -(-(tokens + context) // block_size)
+        table_row = len(specs) - i  # row 0 of the table is unused
+        tables[table_row, :n_blocks] = perm[used:used + n_blocks]
+        used += n_blocks
+        rows.append((start, table_row, tokens, context))
+        start += tokens + 2
+    query = torch.randn(start, heads, d, generator=g) * 2
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = torch.full((start, heads, d), 9.0)
+        cpu_amx_prefill.prefill_attention_rows(query, key_cache, value_cache, tables, cpu_amx_prefill.prefill_rows(rows),
+                                               out, d**-0.5)
+        one_by_one = torch.full((start, heads, d), 9.0)
+        for first, table_row, tokens, context in rows:
+            cpu_amx_prefill.prefill_attention(query, key_cache, value_cache, tables[table_row].contiguous(), first,
+                                              tokens, context, one_by_one, d**-0.5)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(out, one_by_one)
+    written = torch.zeros(start, dtype=torch.bool)
+    for first, table_row, tokens, context in rows:
+        written[first:first + tokens] = True
+        slots = (tables[table_row, :-(-(tokens + context) // block_size)].long()[:, None] * block_size
+                 + torch.arange(block_size)).reshape(-1)[:tokens + context]
+        want = cpu_amx_prefill.reference(query[first:first + tokens], key_cache.view(-1, kv_heads, d)[slots],
+                                         value_cache.view(-1, kv_heads, d)[slots], context, d**-0.5)
+        torch.testing.assert_close(out[first:first + tokens].double(), want, atol=2e-6, rtol=1e-5)
+    assert bool((out[~written] == 9.0).all())  # the gaps between the rows untouched
+
+
+def test_the_rows_table_is_checked():
+    query = torch.zeros(4, 2, 32)
+    cache = torch.zeros(4, 16, 1, 32)
+    tables = torch.zeros(1, 4, dtype=torch.int32)
+    with pytest.raises(ValueError, match="int64"):
+        cpu_amx_prefill.prefill_attention_rows(query, cache, cache, tables, torch.zeros(1, 4, dtype=torch.int32),
+                                               torch.zeros_like(query), 1.0)
+    with pytest.raises(ValueError, match="int32"):
+        cpu_amx_prefill.prefill_attention_rows(query, cache, cache, tables.long(), cpu_amx_prefill.prefill_rows([(0, 0, 4, 0)]),
+                                               torch.zeros_like(query), 1.0)
+
+
+@needs_amx
 def test_the_backend_sends_long_prefill_rows_to_it_and_keeps_the_rest():
     block_size, kv_heads, heads, d = 16, 2, 4, 64
     key_cache, value_cache = _cache(64, block_size, kv_heads, d, seed=1)

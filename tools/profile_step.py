@@ -122,7 +122,7 @@ def _instrument(stack: ExitStack, timer: PartTimer) -> None:
     ]:
         _patch(stack, owner, name, lambda fn, part=part: timer.wrap(part, fn))
     _patch(stack, cpu_decode_kernel, "paged_decode_attention", lambda fn: _kernel_split(timer, fn))
-    _patch(stack, cpu_amx_prefill, "prefill_attention", lambda fn: timer.wrap("prefill attention", fn))
+    _patch(stack, cpu_amx_prefill, "prefill_attention_rows", lambda fn: timer.wrap("prefill attention", fn))
     _patch(stack, F, "linear", lambda fn: timer.wrap(linear_part, fn))
     _patch(stack, cpu_gemm, "linear", lambda fn: timer.wrap(linear_part, fn))
     _patch(stack, cpu_amx_gemm.SplitWeight, "_gemm", lambda fn: timer.wrap(linear_part, fn))

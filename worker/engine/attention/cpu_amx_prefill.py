@@ -8,10 +8,11 @@ three-part bfloat16 split of worker/engine/cpu_amx_gemm.py (float32's accuracy; 
 docstring has the argument), 32 query rows by 32 keys at a time, and only the key blocks a row
 block can see (causal).
 
-One call per sequence and layer:
-1. K and V of the kv head come out of the paged cache once, split into their parts and packed in
-   the tiles' order: K as the columns of Q.K^T, V as the columns of P.V.
-2. Per block of 32 tokens of one query head (threads take blocks as they come): the scores, then a
+One call per layer for all of a step's prefill rows, one parallel region:
+1. Each row's K and V of each kv head come out of the paged cache once, split into their parts and
+   packed in the tiles' order: K as the columns of Q.K^T, V as the columns of P.V.
+2. Per block of 32 tokens of one query head of one row (threads take blocks as they come, those
+   that read the most keys first, so no long block starts last): the scores, then a
    softmax in float32 (max, exp within 1 ulp, sum; keys past a token's position are zero), the
    unnormalised probabilities split into parts for P.V, and the output divided by the row's sum.
 
@@ -41,6 +42,7 @@ SELF_CHECK_BOUND = 2e-6
 
 _SOURCE = cpu_amx_gemm.TILES_SOURCE + r"""
 #include <math.h>
+#include <stdlib.h>
 
 /* The row's softmax numerators in place: s[j] <- exp(scale s[j] - max) for j < lim, 0 for lim <= j <
    width (a multiple of 16); returns their sum (1 for an empty row, which is all zeros). */
@@ -79,29 +81,76 @@ static void pack_value(const float *src, int64_t d, int valid, int64_t j, int64_
     }
 }
 
-/* Attention of `tokens` new tokens (positions context .. context + tokens - 1) of one sequence over
-   its keys 0 .. context + tokens - 1, read through `block_table` from caches [blocks, block_size,
-   kv_heads, head_dim]. q and out: token t, head h at t * stride + h * head_dim. Workspaces: k_ws and
-   v_ws kv_heads x keys_pad x head_dim x 3 bfloat16 each; thread_ws n_threads x per_thread bytes. */
-void amx_prefill_attention(const float *q, int64_t q_stride, int64_t tokens, int64_t context,
-                           const int32_t *block_table, const float *key_cache, const float *value_cache,
-                           int64_t block_size, int64_t kv_heads, int64_t group, int64_t head_dim, float scale,
-                           float *out, int64_t out_stride, uint16_t *k_ws, uint16_t *v_ws, uint8_t *thread_ws,
-                           int64_t per_thread, int64_t n_threads) {
-    const int64_t keys = context + tokens, keys_pad = (keys + 31) / 32 * 32;
-    const int64_t d_blocks = head_dim / 32, key_blocks = keys_pad / 32, head_elems = keys_pad * head_dim * 3;
-    const int64_t row_blocks = (tokens + 31) / 32, tasks = kv_heads * group * row_blocks;
+/* One task: a block of up to 32 new tokens of one sequence under one query head. cost: the key
+   blocks it reads (its work grows with them). */
+typedef struct { int64_t seq, head, t0, cost; } prefill_task_t;
+
+/* Longest first, so that no long task starts last while the other threads wait for it; the rest of
+   the order only makes the list the same from run to run (a task's bits do not depend on it). */
+static int longest_first(const void *a, const void *b) {
+    const prefill_task_t *x = (const prefill_task_t *)a, *y = (const prefill_task_t *)b;
+    if (x->cost != y->cost) return x->cost > y->cost ? -1 : 1;
+    if (x->seq != y->seq) return x->seq < y->seq ? -1 : 1;
+    if (x->head != y->head) return x->head < y->head ? -1 : 1;
+    return x->t0 < y->t0 ? -1 : x->t0 > y->t0;
+}
+
+/* Attention of the new tokens of n_seqs sequences over their keys, in one parallel region. Sequence
+   s is rows[4 s .. 4 s + 3] = (its first token in q and out, its row of block_tables, its new tokens,
+   its context): tokens at positions context .. context + tokens - 1, keys 0 .. context + tokens - 1
+   read through that row of block_tables from caches [blocks, block_size, kv_heads, head_dim]. q and
+   out: token t, head h at t * stride + h * head_dim. Workspaces: k_ws and v_ws hold every sequence's
+   kv_heads x keys_pad x head_dim x 3 bfloat16, one sequence after another; thread_ws n_threads x
+   per_thread bytes, per_thread sized for the longest sequence. Returns 0, or -1 when the task list
+   could not be allocated (nothing computed). */
+int amx_prefill_attention(const float *q, int64_t q_stride, int64_t n_seqs, const int64_t *rows,
+                          const int32_t *block_tables, int64_t table_stride, const float *key_cache,
+                          const float *value_cache, int64_t block_size, int64_t kv_heads, int64_t group,
+                          int64_t head_dim, float scale, float *out, int64_t out_stride, uint16_t *k_ws,
+                          uint16_t *v_ws, uint8_t *thread_ws, int64_t per_thread, int64_t n_threads) {
+    const int64_t d_blocks = head_dim / 32, heads = kv_heads * group;
+    int64_t n_tasks = 0, max_keys_pad = 32;
+    for (int64_t s = 0; s < n_seqs; ++s) {
+        const int64_t keys_pad = (rows[4 * s + 3] + rows[4 * s + 2] + 31) / 32 * 32;
+        n_tasks += heads * ((rows[4 * s + 2] + 31) / 32);
+        if (keys_pad > max_keys_pad) max_keys_pad = keys_pad;
+    }
+    prefill_task_t *tasks = (prefill_task_t *)malloc((size_t)(n_tasks > 0 ? n_tasks : 1) * sizeof(prefill_task_t));
+    int64_t *ws_at = (int64_t *)malloc((size_t)(n_seqs > 0 ? n_seqs : 1) * sizeof(int64_t));
+    if (!tasks || !ws_at) { free(tasks); free(ws_at); return -1; }
+    int64_t at = 0, k = 0;
+    for (int64_t s = 0; s < n_seqs; ++s) {
+        const int64_t tokens = rows[4 * s + 2], context = rows[4 * s + 3];
+        ws_at[s] = at;
+        at += kv_heads * ((context + tokens + 31) / 32 * 32) * head_dim * 3;
+        for (int64_t head = 0; head < heads; ++head)
+            for (int64_t t0 = 0; t0 < tokens; t0 += 32) {
+                const int64_t seen = context + t0 + (tokens - t0 < 32 ? tokens - t0 : 32);
+                tasks[k].seq = s; tasks[k].head = head; tasks[k].t0 = t0; tasks[k].cost = (seen + 31) / 32;
+                ++k;
+            }
+    }
+    qsort(tasks, (size_t)n_tasks, sizeof(prefill_task_t), longest_first);
     #pragma omp parallel num_threads(n_threads)
     {
-        #pragma omp for schedule(static) collapse(2)
-        for (int64_t h = 0; h < kv_heads; ++h)
-            for (int64_t j = 0; j < keys_pad; ++j) {
-                const int valid = j < keys;
-                const int64_t slot = valid ? (int64_t)block_table[j / block_size] * block_size + j % block_size : 0;
-                const int64_t at = (slot * kv_heads + h) * head_dim;
-                pack_column(key_cache + at, head_dim, valid, j, d_blocks, k_ws + h * head_elems);
-                pack_value(value_cache + at, head_dim, valid, j, key_blocks, v_ws + h * head_elems);
-            }
+        /* 1. Every sequence's K and V out of the cache, packed; the threads share each sequence's
+           keys and go on to the next one without waiting, then wait once for all of them. */
+        for (int64_t s = 0; s < n_seqs; ++s) {
+            const int64_t keys = rows[4 * s + 3] + rows[4 * s + 2], keys_pad = (keys + 31) / 32 * 32;
+            const int64_t key_blocks = keys_pad / 32, head_elems = keys_pad * head_dim * 3;
+            const int32_t *block_table = block_tables + rows[4 * s + 1] * table_stride;
+            uint16_t *k_seq = k_ws + ws_at[s], *v_seq = v_ws + ws_at[s];
+            #pragma omp for schedule(static) collapse(2) nowait
+            for (int64_t h = 0; h < kv_heads; ++h)
+                for (int64_t j = 0; j < keys_pad; ++j) {
+                    const int valid = j < keys;
+                    const int64_t slot = valid ? (int64_t)block_table[j / block_size] * block_size + j % block_size : 0;
+                    const int64_t at_key = (slot * kv_heads + h) * head_dim;
+                    pack_column(key_cache + at_key, head_dim, valid, j, d_blocks, k_seq + h * head_elems);
+                    pack_value(value_cache + at_key, head_dim, valid, j, key_blocks, v_seq + h * head_elems);
+                }
+        }
+        #pragma omp barrier
 #ifdef _OPENMP
         uint8_t *mine = thread_ws + omp_get_thread_num() * per_thread;
 #else
@@ -109,45 +158,53 @@ void amx_prefill_attention(const float *q, int64_t q_stride, int64_t tokens, int
 #endif
         uint16_t *q_split = (uint16_t *)mine;
         float *scores = (float *)(mine + d_blocks * BLOCK_ELEMS * 2);
-        uint16_t *p_split = (uint16_t *)(scores + 32 * keys_pad);
-        float *acc = (float *)(p_split + key_blocks * BLOCK_ELEMS);
+        uint16_t *p_split = (uint16_t *)(scores + 32 * max_keys_pad);
+        float *acc = (float *)(p_split + (max_keys_pad / 32) * BLOCK_ELEMS);
         float sums[32];
         configure_tiles();
+        /* 2. The tasks of all sequences, longest first, taken as they come. */
         #pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < tasks; ++task) {
-            const int64_t head = task / row_blocks, t0 = (task % row_blocks) * 32;  /* query head, first token */
-            const int64_t kv = head / group;
-            const int64_t rows = tokens - t0 < 32 ? tokens - t0 : 32;
-            const int64_t seen = context + t0 + rows, blocks = (seen + 31) / 32;  /* keys the block can see */
+        for (int64_t i_task = 0; i_task < n_tasks; ++i_task) {
+            const prefill_task_t *task = &tasks[i_task];
+            const int64_t s = task->seq, head = task->head, t0 = task->t0, kv = head / group;
+            const int64_t tokens = rows[4 * s + 2], context = rows[4 * s + 3];
+            const int64_t keys_pad = (context + tokens + 31) / 32 * 32, key_blocks = keys_pad / 32;
+            const int64_t head_elems = keys_pad * head_dim * 3;
+            const float *q_seq = q + rows[4 * s] * q_stride;
+            float *out_seq = out + rows[4 * s] * out_stride;
+            const uint16_t *k_head = k_ws + ws_at[s] + kv * head_elems, *v_head = v_ws + ws_at[s] + kv * head_elems;
+            const int64_t n_rows = tokens - t0 < 32 ? tokens - t0 : 32;
+            const int64_t blocks = task->cost;  /* key blocks the token block can see */
             for (int64_t i = 0; i < 32; ++i)
-                split_row(q + (t0 + i) * q_stride + head * head_dim, head_dim, i < rows, 0, i, d_blocks, q_split);
+                split_row(q_seq + (t0 + i) * q_stride + head * head_dim, head_dim, i < n_rows, 0, i, d_blocks, q_split);
             for (int64_t b = 0; b < blocks; ++b)
-                block_32x32(q_split, k_ws + kv * head_elems + b * d_blocks * BLOCK_ELEMS, 0, d_blocks,
-                            scores + b * 32, keys_pad, 1);
+                block_32x32(q_split, k_head + b * d_blocks * BLOCK_ELEMS, 0, d_blocks, scores + b * 32, keys_pad, 1);
             for (int64_t i = 0; i < 32; ++i) {
                 float *row = scores + i * keys_pad;
-                sums[i] = softmax_numerators(row, i < rows ? context + t0 + i + 1 : 0, blocks * 32, scale);
+                sums[i] = softmax_numerators(row, i < n_rows ? context + t0 + i + 1 : 0, blocks * 32, scale);
                 split_row(row, blocks * 32, 1, 0, i, blocks, p_split);
             }
             for (int64_t b = 0; b < d_blocks; ++b)
-                block_32x32(p_split, v_ws + kv * head_elems + b * key_blocks * BLOCK_ELEMS, 0, blocks,
-                            acc + b * 32, head_dim, 1);
-            for (int64_t i = 0; i < rows; ++i) {
-                float *dst = out + (t0 + i) * out_stride + head * head_dim;
+                block_32x32(p_split, v_head + b * key_blocks * BLOCK_ELEMS, 0, blocks, acc + b * 32, head_dim, 1);
+            for (int64_t i = 0; i < n_rows; ++i) {
+                float *dst = out_seq + (t0 + i) * out_stride + head * head_dim;
                 for (int64_t c = 0; c < head_dim; ++c) dst[c] = acc[i * head_dim + c] / sums[i];
             }
         }
         _tile_release();
     }
+    free(tasks);
+    free(ws_at);
+    return 0;
 }
 """ + cpu_amx_gemm.SOURCE_TAIL
 
 
 def _declare(lib: ctypes.CDLL) -> None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.amx_prefill_attention.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_float,
+    lib.amx_prefill_attention.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, ctypes.c_float,
                                           ptr, i64, ptr, ptr, ptr, i64, i64]
-    lib.amx_prefill_attention.restype = None
+    lib.amx_prefill_attention.restype = ctypes.c_int
 
 
 _library = OnDemandLibrary("cpu_amx_prefill", _SOURCE, "AMX prefill attention", _declare)
@@ -197,24 +254,53 @@ def prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
     """out[token_start : token_start + tokens] = attention of those query tokens (positions context ..
     context + tokens - 1 of the sequence whose blocks are `block_table`, int32 contiguous) over the
     sequence's keys. query and out: float32 [T, heads, head_dim], heads contiguous."""
+    rows = torch.tensor([[token_start, 0, tokens, context]], dtype=torch.int64)
+    prefill_attention_rows(query, key_cache, value_cache, block_table.view(1, -1), rows, out, scale)
+
+
+def prefill_rows(rows: list[tuple[int, int, int, int]]) -> torch.Tensor:
+    """The int64 [n, 4] table prefill_attention_rows reads: (first token, block table row, new tokens,
+    context) per sequence."""
+    return torch.tensor(rows, dtype=torch.int64).view(-1, 4)
+
+
+def prefill_attention_rows(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                           block_tables: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, scale: float) -> None:
+    """Every sequence of `rows` (int64 [n, 4], prefill_rows) in one call: out[first : first + tokens] =
+    attention of those query tokens (positions context .. context + tokens - 1 of the sequence whose
+    blocks are row `table row` of block_tables, int32 [B, W] contiguous) over the sequence's keys.
+
+    One parallel region for all of them: the threads pack every sequence's keys, then take the
+    blocks of 32 tokens of every sequence and head, longest first, so a step's prompts of unequal
+    length keep both threads busy to the end (one call per sequence waited at its end for the
+    thread with the longest block). A row's bits do not depend on the other rows or the order."""
     _, block_size, kv_heads, head_dim = key_cache.shape
     heads = query.shape[1]
-    keys_pad = _round_up(context + tokens, 32)
-    d_blocks, key_blocks = head_dim // 32, keys_pad // 32
+    n = rows.shape[0]
+    if n == 0:
+        return
+    if rows.dtype != torch.int64 or rows.dim() != 2 or rows.shape[1] != 4 or not rows.is_contiguous():
+        raise ValueError("rows must be int64 [n, 4] contiguous (prefill_rows)")
+    if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or block_tables.stride(1) != 1:
+        raise ValueError("block_tables must be int32 [B, W] with contiguous rows")
+    keys_pad = [_round_up(tokens + context, 32) for _, _, tokens, context in rows.tolist()]
+    total_pad, max_pad = sum(keys_pad), max(keys_pad)
+    d_blocks, key_blocks = head_dim // 32, max_pad // 32
     block_bytes = 3 * 2 * 512 * 2
-    per_thread = _round_up(d_blocks * block_bytes + 32 * keys_pad * 4 + key_blocks * block_bytes + 32 * head_dim * 4, 64)
+    per_thread = _round_up(d_blocks * block_bytes + 32 * max_pad * 4 + key_blocks * block_bytes + 32 * head_dim * 4, 64)
     threads = torch.get_num_threads()
-    head_elems = kv_heads * keys_pad * head_dim * 3
-    k_ws, v_ws = _buffer("k", head_elems, torch.int16), _buffer("v", head_elems, torch.int16)
+    packed_elems = kv_heads * total_pad * head_dim * 3
+    k_ws, v_ws = _buffer("k", packed_elems, torch.int16), _buffer("v", packed_elems, torch.int16)
     thread_ws = _buffer("threads", threads * per_thread + 64, torch.uint8)
     base = thread_ws.data_ptr()
     aligned = base + (-base % 64)
-    _library.get().amx_prefill_attention(
-        query.data_ptr() + token_start * query.stride(0) * 4, query.stride(0), tokens, context,
-        block_table.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), block_size, kv_heads,
-        heads // kv_heads, head_dim, scale, out.data_ptr() + token_start * out.stride(0) * 4, out.stride(0),
-        k_ws.data_ptr(), v_ws.data_ptr(), aligned, per_thread, threads,
+    rc = _library.get().amx_prefill_attention(
+        query.data_ptr(), query.stride(0), n, rows.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
+        key_cache.data_ptr(), value_cache.data_ptr(), block_size, kv_heads, heads // kv_heads, head_dim, scale,
+        out.data_ptr(), out.stride(0), k_ws.data_ptr(), v_ws.data_ptr(), aligned, per_thread, threads,
     )
+    if rc != 0:
+        raise MemoryError("AMX prefill attention could not allocate its task list")
 
 
 def reference(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, context: int, scale: float) -> torch.Tensor:

@@ -95,8 +95,10 @@ class _StepPlan:
     prefill: list[_PrefillGroup]
     all_tokens_decode_in_order: bool  # output can be written without an index_copy
     kernel_rows: _KernelRows | None = None  # set instead of `decode` when the C kernel runs
-    # Prefill rows for the AMX kernel (cpu_amx_prefill.py): (first token, block table row, tokens, context).
+    # Prefill rows for the AMX kernel (cpu_amx_prefill.py): (first token, block table row, tokens, context),
+    # and the same as the int64 table its one call per layer reads (built once per step).
     amx_prefill: list[tuple[int, int, int, int]] | None = None
+    amx_prefill_rows: torch.Tensor | None = None
 
 
 class TorchAttentionBackend:
@@ -159,10 +161,8 @@ class TorchAttentionBackend:
                 kd.max_len, out, scale,
             )
         if plan.amx_prefill:
-            tables = plan.kernel_rows.block_tables
-            for start, row, tokens, context in plan.amx_prefill:
-                cpu_amx_prefill.prefill_attention(query, key_cache, value_cache, tables[row], start, tokens, context,
-                                                  out, scale)
+            cpu_amx_prefill.prefill_attention_rows(query, key_cache, value_cache, plan.kernel_rows.block_tables,
+                                                   plan.amx_prefill_rows, out, scale)
         for bucket in plan.decode:
             out.index_copy_(0, bucket.token_index, self._decode(query, key_cache, value_cache, bucket, scale))
         for group in plan.prefill:
@@ -316,7 +316,8 @@ def build_plan(meta: AttentionMetadata, block_size: int, num_kv_heads: int = 1,
             max_len=int(lengths.max()) if lengths.numel() else 1,
         )
         return _StepPlan(decode=[], prefill=prefill, all_tokens_decode_in_order=False, kernel_rows=kernel,
-                         amx_prefill=amx_prefill)
+                         amx_prefill=amx_prefill,
+                         amx_prefill_rows=cpu_amx_prefill.prefill_rows(amx_prefill) if amx_prefill else None)
 
     decode: list[_DecodeBucket] = []
     decode_rows.sort(key=lambda r: seq_lens[r])
