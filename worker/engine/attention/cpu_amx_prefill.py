@@ -85,6 +85,9 @@ static void pack_value(const float *src, int64_t d, int valid, int64_t j, int64_
    blocks it reads (its work grows with them). */
 typedef struct { int64_t seq, head, t0, cost; } prefill_task_t;
 
+/* A sequence's keys rounded up to whole blocks of 32: the packed K and V hold this many. */
+static inline int64_t keys_padded(int64_t keys) { return (keys + 31) / 32 * 32; }
+
 /* Longest first, so that no long task starts last while the other threads wait for it; the rest of
    the order only makes the list the same from run to run (a task's bits do not depend on it). */
 static int longest_first(const void *a, const void *b) {
@@ -111,7 +114,7 @@ int amx_prefill_attention(const float *q, int64_t q_stride, int64_t n_seqs, cons
     const int64_t d_blocks = head_dim / 32, heads = kv_heads * group;
     int64_t n_tasks = 0, max_keys_pad = 32;
     for (int64_t s = 0; s < n_seqs; ++s) {
-        const int64_t keys_pad = (rows[4 * s + 3] + rows[4 * s + 2] + 31) / 32 * 32;
+        const int64_t keys_pad = keys_padded(rows[4 * s + 3] + rows[4 * s + 2]);
         n_tasks += heads * ((rows[4 * s + 2] + 31) / 32);
         if (keys_pad > max_keys_pad) max_keys_pad = keys_pad;
     }
@@ -122,7 +125,7 @@ int amx_prefill_attention(const float *q, int64_t q_stride, int64_t n_seqs, cons
     for (int64_t s = 0; s < n_seqs; ++s) {
         const int64_t tokens = rows[4 * s + 2], context = rows[4 * s + 3];
         ws_at[s] = at;
-        at += kv_heads * ((context + tokens + 31) / 32 * 32) * head_dim * 3;
+        at += kv_heads * keys_padded(context + tokens) * head_dim * 3;
         for (int64_t head = 0; head < heads; ++head)
             for (int64_t t0 = 0; t0 < tokens; t0 += 32) {
                 const int64_t seen = context + t0 + (tokens - t0 < 32 ? tokens - t0 : 32);
@@ -136,7 +139,7 @@ int amx_prefill_attention(const float *q, int64_t q_stride, int64_t n_seqs, cons
         /* 1. Every sequence's K and V out of the cache, packed; the threads share each sequence's
            keys and go on to the next one without waiting, then wait once for all of them. */
         for (int64_t s = 0; s < n_seqs; ++s) {
-            const int64_t keys = rows[4 * s + 3] + rows[4 * s + 2], keys_pad = (keys + 31) / 32 * 32;
+            const int64_t keys = rows[4 * s + 3] + rows[4 * s + 2], keys_pad = keys_padded(keys);
             const int64_t key_blocks = keys_pad / 32, head_elems = keys_pad * head_dim * 3;
             const int32_t *block_table = block_tables + rows[4 * s + 1] * table_stride;
             uint16_t *k_seq = k_ws + ws_at[s], *v_seq = v_ws + ws_at[s];
@@ -168,7 +171,7 @@ int amx_prefill_attention(const float *q, int64_t q_stride, int64_t n_seqs, cons
             const prefill_task_t *task = &tasks[i_task];
             const int64_t s = task->seq, head = task->head, t0 = task->t0, kv = head / group;
             const int64_t tokens = rows[4 * s + 2], context = rows[4 * s + 3];
-            const int64_t keys_pad = (context + tokens + 31) / 32 * 32, key_blocks = keys_pad / 32;
+            const int64_t keys_pad = keys_padded(context + tokens), key_blocks = keys_pad / 32;
             const int64_t head_elems = keys_pad * head_dim * 3;
             const float *q_seq = q + rows[4 * s] * q_stride;
             float *out_seq = out + rows[4 * s] * out_stride;
