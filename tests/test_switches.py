@@ -20,3 +20,20 @@ def test_unset_is_none_and_anything_else_names_the_variable(monkeypatch):
     monkeypatch.setenv("TOKENMILL_TEST_SWITCH", "2")
     with pytest.raises(ValueError, match="TOKENMILL_TEST_SWITCH='2'"):
         switch("TOKENMILL_TEST_SWITCH")
+
+
+@pytest.mark.parametrize("encoded_copy", [True, False])
+def test_a_change_to_the_environment_is_seen_at_the_next_read(monkeypatch, encoded_copy):
+    # The fast read goes through os.environ's encoded copy; without one, through os.environ.get.
+    from worker.engine import switches
+
+    if not encoded_copy:
+        monkeypatch.setattr(switches, "_ENCODED", None)
+    monkeypatch.delenv("TOKENMILL_TEST_SWITCH", raising=False)
+    assert switch("TOKENMILL_TEST_SWITCH") is None
+    monkeypatch.setenv("TOKENMILL_TEST_SWITCH", "off")
+    assert switch("TOKENMILL_TEST_SWITCH") is False
+    monkeypatch.setenv("TOKENMILL_TEST_SWITCH", "on")
+    assert switch("TOKENMILL_TEST_SWITCH") is True
+    monkeypatch.delenv("TOKENMILL_TEST_SWITCH")
+    assert switch("TOKENMILL_TEST_SWITCH") is None

@@ -100,13 +100,21 @@ class OnDemandLibrary:
         self._lock = threading.Lock()
         self._lib: ctypes.CDLL | None = None
         self._tried = False
+        # Set once the answer is final: from then on get() reads it without the lock (the kernels
+        # ask once per call, several times per layer, on the step's host path).
+        self._settled = False
 
     def get(self) -> ctypes.CDLL | None:
+        if self._settled:
+            return self._lib
         with self._lock:
             if not self._tried:
                 self._tried = True
-                lib = build_library(self._name, self._source, self._what)
-                if lib is not None:
-                    self._declare(lib)
-                self._lib = lib
+                try:
+                    lib = build_library(self._name, self._source, self._what)
+                    if lib is not None:
+                        self._declare(lib)
+                    self._lib = lib
+                finally:
+                    self._settled = True
             return self._lib
