@@ -313,3 +313,24 @@ async def test_an_engine_exception_in_one_job_of_200_fails_only_that_job(kafka_b
     assert json.loads(letter.value)["job_id"] == poisoned["job_id"]
     assert await committed_offsets(kafka_bootstrap, topics.group, topics.jobs, 2) == await end_offsets(
         kafka_bootstrap, topics.jobs, 2)
+
+
+def test_blame_wraps_an_error_once_and_lets_the_rest_through():
+    from worker.engine.fault_isolation import StepFault, blame
+
+    suspects = ["a", "b"]
+    with pytest.raises(StepFault) as caught:
+        with blame("launch", suspects):
+            raise ValueError("bad row")
+    fault = caught.value
+    assert fault.phase == "launch" and fault.suspects == suspects and isinstance(fault.error, ValueError)
+    assert fault.__cause__ is fault.error and str(fault) == "launch: ValueError: bad row"
+    with pytest.raises(StepFault) as again:  # already blamed: not wrapped a second time
+        with blame("step end", ["c"]):
+            raise fault
+    assert again.value is fault
+    with pytest.raises(KeyboardInterrupt):  # not an error of a request
+        with blame("take-in", suspects):
+            raise KeyboardInterrupt
+    with blame("take-in", suspects):
+        pass
