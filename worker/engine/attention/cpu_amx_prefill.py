@@ -280,8 +280,9 @@ def prefill_attention_rows(query: torch.Tensor, key_cache: torch.Tensor, value_c
 
     One parallel region for all of them: the threads pack every sequence's keys, then take the
     blocks of 32 tokens of every sequence and head, sequence by sequence and within one longest
-    first, so a step's prompts of unequal length keep both threads busy to the end (one call per sequence waited at its end for the
-    thread with the longest block). A row's bits do not depend on the other rows or the order."""
+    first, so a step's prompts of unequal length keep both threads busy to the end (one call per
+    sequence waited at its end for the thread with the longest block). A row's bits do not depend
+    on the other rows or the order."""
     _, block_size, kv_heads, head_dim = key_cache.shape
     heads = query.shape[1]
     n = rows.shape[0]
