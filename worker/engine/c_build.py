@@ -99,17 +99,16 @@ class OnDemandLibrary:
         self._name, self._source, self._what, self._declare = name, source, what, declare
         self._lock = threading.Lock()
         self._lib: ctypes.CDLL | None = None
-        self._tried = False
-        # Set once the answer is final: from then on get() reads it without the lock (the kernels
-        # ask once per call, several times per layer, on the step's host path).
+        # Set once the answer is final, even when the build raised (it is not tried again): from
+        # then on get() reads it without the lock (the kernels ask once per call, several times
+        # per layer, on the step's host path).
         self._settled = False
 
     def get(self) -> ctypes.CDLL | None:
         if self._settled:
             return self._lib
         with self._lock:
-            if not self._tried:
-                self._tried = True
+            if not self._settled:
                 try:
                     lib = build_library(self._name, self._source, self._what)
                     if lib is not None:
