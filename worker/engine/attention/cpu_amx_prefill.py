@@ -13,9 +13,9 @@ One call per layer for all of a step's prefill rows, one parallel region:
    packed in the tiles' order: K as the columns of Q.K^T, V as the columns of P.V.
 2. Per block of 32 tokens of one query head of one row (threads take blocks as they come, row by
    row and within a row those that read the most keys first, so a row's packed keys stay in cache
-   and no long block starts last): the scores, then a
-   softmax in float32 (max, exp within 1 ulp, sum; keys past a token's position are zero), the
-   unnormalised probabilities split into parts for P.V, and the output divided by the row's sum.
+   and no long block starts last): the scores, then a softmax in float32 (max, exp within 1 ulp,
+   sum; keys past a token's position are zero), the unnormalised probabilities split into parts
+   for P.V, and the output divided by the row's sum.
 
 Applies to float32 rows of at least MIN_TOKENS new tokens with a head size that is a multiple of
 32, where cpu_amx_gemm.available() (AMX, its self-check; TOKENMILL_AMX_GEMM=0 turns both off) and
