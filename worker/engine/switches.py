@@ -9,9 +9,9 @@ _ON = ("1", "true", "yes", "on")
 
 # The kernels ask their switch on every call, several times per layer, on the step's host path:
 # os.environ.get of an unset name costs ~0.7 us (the name encoded, a KeyError raised and caught),
-# 0.7% of a 2-thread tiny-llama run. os.environ keeps its encoded copy in `_data` (CPython, every
-# version this project supports): a lookup there reads the same live state in ~20 ns. Where that
-# copy is missing, the public path.
+# 0.7% of a 2-thread tiny-llama run's main-thread samples in py-spy. os.environ keeps its encoded
+# copy in `_data` (CPython, every version this project supports): a lookup there reads the same
+# live state in ~20 ns. Where that copy is missing, the public path.
 _ENCODED = getattr(os.environ, "_data", None)
 _encoded_names: dict[str, object] = {}
 
