@@ -129,6 +129,25 @@ def test_many_decode_rows_stay_exact(use_cpu_kernel):
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
 
 
+def test_decode_only_kernel_plan_reads_the_table_in_place():
+    """A pure decode step's kernel rows are the decode rows as they are (no pieces to join), the
+    int32 table is the one given, not a copy, and max_len is the longest row; the step still attends
+    exactly."""
+    rows = [(1, c) for c in (3, 40, 1, 17, 9)]
+    case = random_case(5, rows, 4, 2, 16, 4)
+    table = case["meta"].block_tables
+    assert table.dtype == torch.int32 and table.is_contiguous()
+    plan = build_plan(case["meta"], 4, num_kv_heads=2, use_kernel=True)
+    kr = plan.kernel_rows
+    assert kr.block_tables.data_ptr() == table.data_ptr()
+    assert kr.token_index.tolist() == [0, 1, 2, 3, 4] and kr.table_row.tolist() == [0, 1, 2, 3, 4]
+    assert kr.seq_lens.tolist() == [4, 41, 2, 18, 10] and kr.seq_lens.dtype == torch.int32  # context + 1
+    assert kr.max_len == 41
+    got = run_backend(case, 0.25, True)
+    want = reference_attention(case["query"], case["keys"], case["values"], case["rows"], 0.25)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
 def test_kernel_takes_short_prefill_rows_token_by_token_and_leaves_long_ones_to_sdpa(monkeypatch):
     """With the kernel, a prefill row up to KERNEL_PREFILL_MAX_LEN tokens (context included) becomes
     one kernel row per token, each seeing the keys up to its position; a longer row keeps SDPA. Both

@@ -405,12 +405,13 @@ class Engine:
         deltas: list[RequestDelta] = []
         ended: list[tuple[Request, FinishReason]] = []
         taken = 0
+        overlapped = launched.overlapped
         for req, s in zip(launched.requests, sampled, strict=True):
             if req.status is RequestStatus.FINISHED:
                 continue  # finished (or aborted) before this token: computed for nothing
             tok = s.token_id
             try:
-                reason, text, logprobs = self._take_token(req, s, launched.overlapped, now)
+                reason, text, logprobs = self._take_token(req, s, overlapped, now)
             except Exception as exc:  # this request's own failure: it alone ends
                 ended.append((req, FinishReason.ERROR))
                 deltas.append(self._failed(req, exc, now))

@@ -252,8 +252,16 @@ def build_plan(meta: AttentionMetadata, block_size: int, num_kv_heads: int = 1,
         raise ValueError(
             f"query_start_loc has {len(starts)} entries for {len(seq_lens)} sequences (expected one more)"
         )
-    tables = meta.block_tables.to("cpu", dtype=torch.long)
-    max_blocks = tables.shape[1] if tables.dim() == 2 else 0
+    # The table as given (the CPU runner's int32 rows): the kernel reads it in place, and the int64
+    # copy that indexing wants is made only for the rows that need one (below).
+    given = meta.block_tables if meta.block_tables.device.type == "cpu" else meta.block_tables.cpu()
+    max_blocks = given.shape[1] if given.dim() == 2 else 0
+    tables_long: list[torch.Tensor] = []
+
+    def tables() -> torch.Tensor:
+        if not tables_long:
+            tables_long.append(given.to(dtype=torch.long))
+        return tables_long[0]
     # The rows are checked and sorted with numpy (a Python loop over a decode step's few hundred
     # rows was a tenth of a millisecond on the step's serial path); errors name the first bad row.
     start_a = np.asarray(starts, dtype=np.int64)
@@ -302,18 +310,24 @@ def build_plan(meta: AttentionMetadata, block_size: int, num_kv_heads: int = 1,
         token_index = torch.cat([torch.arange(starts[r], starts[r] + q_len) for r in rows])
         prefill.append(_PrefillGroup(
             token_index=token_index.to(device),
-            block_ids=tables[torch.tensor(rows), :n_blocks].reshape(-1).to(device),
+            block_ids=tables()[torch.tensor(rows), :n_blocks].reshape(-1).to(device),
             num_rows=len(rows), q_len=q_len, seq_len=seq_len, mask=mask,
         ))
 
-    if num_blocks is not None and tables.numel() and not 0 <= int(tables.min()) <= int(tables.max()) < num_blocks:
-        raise ValueError(f"block_tables hold ids outside [0, {num_blocks}) (the cache has {num_blocks} blocks)")
+    if num_blocks is not None and given.numel():
+        lowest, highest = (int(x) for x in torch.aminmax(given))
+        if not 0 <= lowest <= highest < num_blocks:
+            raise ValueError(f"block_tables hold ids outside [0, {num_blocks}) (the cache has {num_blocks} blocks)")
     if use_kernel:
-        in_table = meta.block_tables.to("cpu", dtype=torch.int32).contiguous()
-        token_index, table_row, lengths = (torch.cat(parts) for parts in zip(*kernel_pieces, strict=True))
+        in_table = given.to(dtype=torch.int32).contiguous()  # itself when it is already so
+        if len(kernel_pieces) == 1:  # decode rows only: no pieces to join
+            token_index, table_row, lengths = kernel_pieces[0]
+            max_len = int(len_a[decode_a].max()) if decode_a.size else 1
+        else:
+            token_index, table_row, lengths = (torch.cat(parts) for parts in zip(*kernel_pieces, strict=True))
+            max_len = int(lengths.max()) if lengths.numel() else 1
         kernel = _KernelRows(
-            block_tables=in_table, token_index=token_index, table_row=table_row, seq_lens=lengths,
-            max_len=int(lengths.max()) if lengths.numel() else 1,
+            block_tables=in_table, token_index=token_index, table_row=table_row, seq_lens=lengths, max_len=max_len,
         )
         return _StepPlan(decode=[], prefill=prefill, all_tokens_decode_in_order=False, kernel_rows=kernel,
                          amx_prefill=amx_prefill,
@@ -336,7 +350,7 @@ def build_plan(meta: AttentionMetadata, block_size: int, num_kv_heads: int = 1,
         lens = torch.tensor([seq_lens[r] for r in rows])
         n_blocks = _blocks_for(int(lens.max()), block_size)
         length = n_blocks * block_size
-        blocks = tables[torch.tensor(rows), :n_blocks]  # [n, n_blocks]
+        blocks = tables()[torch.tensor(rows), :n_blocks]  # [n, n_blocks]
         slots = (blocks[:, :, None] * block_size + torch.arange(block_size)).reshape(len(rows), 1, length)
         cache_rows = slots * num_kv_heads + torch.arange(num_kv_heads)[None, :, None]  # [n, kv_heads, length]
         bias = torch.zeros(len(rows), 1, 1, length, dtype=dtype)
