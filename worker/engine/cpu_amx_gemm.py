@@ -35,6 +35,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
+from typing import NamedTuple
 
 import torch
 
@@ -395,6 +396,18 @@ class SplitWeight:
         if bias is not None:
             bias = bias.detach().float().contiguous()
         threads = torch.get_num_threads()
+        plan = self.plan(m, threads)
+        split_ws, acc_ws = workspace(plan.split_elems, plan.acc_elems)
+        _library.get().amx_gemm(
+            x.data_ptr(), x.stride(0), m, self.k, self.packed.data_ptr(), self.n, self.n_pad, self.k_pad,
+            bias.data_ptr() if bias is not None else None, y.data_ptr(), split_ws.data_ptr(), acc_ws.data_ptr(),
+            plan.pass_blocks, plan.slab_blocks, threads, plan.col_major, plan.shared_split, silu_mul,
+        )
+        return y
+
+    def plan(self, m: int, threads: int) -> GemmPlan:
+        """How `threads` threads share a call of m rows, and the workspaces it needs (the kernel's
+        arguments beyond the operands; cpu_decode_layers.py passes them to the kernel itself)."""
         row_blocks = -(-m // 32)
         # How the threads share the call: see COLUMN_MAJOR_BLOCKS.
         col_major = threads > 1 and row_blocks <= COLUMN_MAJOR_BLOCKS
@@ -407,20 +420,26 @@ class SplitWeight:
         else:  # the most row blocks one thread's run can touch, at most a pass's worth
             run = -(-row_blocks * (self.n_pad // 32) // threads)
             pass_blocks, copies = min(PASS_BLOCKS, row_blocks, -(-run // (self.n_pad // 32)) + 1), threads
-        split_ws, acc_ws = _workspace(copies * pass_blocks * 32 * self.k_pad * 3, copies * pass_blocks * 32 * self.n_pad)
         kbs = self.k_pad // 32
         slab_blocks = max(1, SLAB_BYTES // (pass_blocks * 32 * 32 * 6))
         slabs = -(-kbs // slab_blocks)
         slab_blocks = -(-kbs // slabs)  # equal slabs
-        _library.get().amx_gemm(
-            x.data_ptr(), x.stride(0), m, self.k, self.packed.data_ptr(), self.n, self.n_pad, self.k_pad,
-            bias.data_ptr() if bias is not None else None, y.data_ptr(), split_ws.data_ptr(), acc_ws.data_ptr(),
-            pass_blocks, slab_blocks, threads, col_major, shared_split, silu_mul,
-        )
-        return y
+        return GemmPlan(pass_blocks, slab_blocks, int(col_major), int(shared_split),
+                        copies * pass_blocks * 32 * self.k_pad * 3, copies * pass_blocks * 32 * self.n_pad)
 
 
-def _workspace(split_elems: int, acc_elems: int) -> tuple[torch.Tensor, torch.Tensor]:
+class GemmPlan(NamedTuple):
+    """The kernel's split of one call over its threads (SplitWeight.plan)."""
+
+    pass_blocks: int
+    slab_blocks: int
+    col_major: int
+    shared_split: int
+    split_elems: int  # int16 elements of split rows the call needs
+    acc_elems: int  # float32 elements of partial sums
+
+
+def workspace(split_elems: int, acc_elems: int) -> tuple[torch.Tensor, torch.Tensor]:
     """This thread's workspaces, grown to at least the sizes asked (kept: every step needs them)."""
     split = getattr(_workspaces, "split", None)
     if split is None or split.numel() < split_elems:
@@ -445,6 +464,11 @@ def _self_check() -> bool:
         if not bool(((got - want).abs() <= SELF_CHECK_BOUND * scale).all()):
             return False
     return True
+
+
+def library() -> ctypes.CDLL | None:
+    """The kernel's library where the AMX GEMM is available (for callers of its entry points), else None."""
+    return _library.get() if available() else None
 
 
 def available() -> bool:

@@ -207,6 +207,22 @@ def _lib() -> ctypes.CDLL | None:
     return _library.get()
 
 
+def library() -> ctypes.CDLL | None:
+    """The kernels' library (for callers of its entry points), or None where it is off or did not build."""
+    return _lib()
+
+
+def norm_lanes(n: int) -> int | None:
+    """The lane count add_rms_norm_f32 takes at hidden size n, or None where no count gives torch's bits."""
+    lib = _lib()
+    return None if lib is None else _lanes(lib, n)
+
+
+def threads_for(elements: int) -> int:
+    """The threads the kernels here use for a pass over `elements` values."""
+    return _threads(elements)
+
+
 def _threads(elements: int) -> int:
     return torch.get_num_threads() if elements >= PARALLEL_MIN_ELEMENTS else 1
 

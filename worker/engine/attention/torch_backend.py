@@ -169,6 +169,21 @@ class TorchAttentionBackend:
             out.index_copy_(0, group.token_index, self._prefill(query, key_cache, value_cache, group, scale))
         return out
 
+    def decode_kernel_rows(self, meta: AttentionMetadata, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                           head_dim: int) -> _KernelRows | None:
+        """The step's rows for the C decode kernel when the kernel attends every token of the step
+        (a pure decode step of float32 CPU tensors), else None. For a caller that runs the kernel
+        itself (cpu_decode_layers.py); the plan is the one attend() builds and keeps for the step."""
+        if not (self.use_cpu_kernel and key_cache.device.type == "cpu" and key_cache.dtype == torch.float32
+                and key_cache.is_contiguous() and value_cache.is_contiguous()):
+            return None
+        plan = self._plan_for(meta, key_cache, torch.float32, key_cache.device, True,
+                              cpu_amx_prefill.applies(head_dim))
+        rows = plan.kernel_rows
+        if rows is None or plan.prefill or plan.amx_prefill or plan.decode or rows.token_index.numel() != meta.num_tokens:
+            return None
+        return rows
+
     def _decode(self, query, key_cache, value_cache, bucket: _DecodeBucket, scale, rows_in_order=False):
         n = bucket.token_index.numel()
         num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]

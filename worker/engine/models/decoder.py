@@ -19,6 +19,7 @@ from torch import nn
 
 from worker.engine import cpu_gemm
 from worker.engine.attention import AttentionBackend, AttentionMetadata, OutputRows
+from worker.engine.cpu_decode_layers import DecodeLayers
 from worker.engine.greedy_head import GreedyScreen
 from worker.engine.layers import RotaryEmbedding, rms_norm
 from worker.engine.model_config import CheckpointError, ModelConfig
@@ -139,6 +140,8 @@ class DecoderForCausalLM(nn.Module):
         )
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope, cfg.max_model_len, device)
         self.ops = make_ops(layer_ops, self.rotary, cfg.max_model_len, device)
+        # A pure decode step's layers in one C call, where pack_for_cpu() finds that they can be.
+        self._decode_layers: DecodeLayers | None = None
 
     @torch.inference_mode()
     def forward(
@@ -158,11 +161,17 @@ class DecoderForCausalLM(nn.Module):
             raise ValueError(f"got {len(kv_caches)} KV cache pairs for {len(self.layers)} layers")
         hidden = F.embedding(input_ids, self.embed_tokens)
         rope = self.ops.rope_inputs(positions, self.config.dtype)
-        residual = None
-        last = len(self.layers) - 1
-        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            rows = output_rows if i == last else None
-            hidden, residual = layer(hidden, residual, rope, meta, kv_cache, self.attention_backend, self.ops, rows)
+        driven = None
+        if output_rows is None and self._decode_layers is not None:  # a pure decode step, maybe
+            driven = self._decode_layers.run(hidden, rope.cos, rope.sin, meta, kv_caches, self.attention_backend)
+        if driven is not None:
+            hidden, residual = driven
+        else:
+            residual = None
+            last = len(self.layers) - 1
+            for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+                rows = output_rows if i == last else None
+                hidden, residual = layer(hidden, residual, rope, meta, kv_cache, self.attention_backend, self.ops, rows)
         if hidden.shape[0] == 0:
             return hidden
         return self.ops.add_rms_norm(hidden, residual, self.norm, self.config.rms_norm_eps)[0]
@@ -171,7 +180,8 @@ class DecoderForCausalLM(nn.Module):
         """On a float32 CPU model, pack the LM head for oneDNN now (worker/engine/cpu_gemm.py) and build
         its greedy screen (worker/engine/greedy_head.py), not in the first step; from hidden size 512
         the layers' projections go to the AMX kernel where the CPU has one, else to oneDNN
-        (cpu_gemm.layer_gemm)."""
+        (cpu_gemm.layer_gemm). With every projection on the AMX kernel, a pure decode step's layers
+        then run in one C call (worker/engine/cpu_decode_layers.py)."""
         if self.lm_head.device.type != "cpu" or self.lm_head.dtype != torch.float32:
             return
         self._greedy_screen()
@@ -179,6 +189,8 @@ class DecoderForCausalLM(nn.Module):
         if kind != "mkl":
             for layer in self.layers:
                 layer.pack_projections(kind)
+        if isinstance(self.ops, TorchOps):
+            self._decode_layers = DecodeLayers.for_model(self.layers)
 
     @torch.inference_mode()
     def greedy_ids(self, hidden: torch.Tensor) -> torch.Tensor | None:
