@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -48,3 +49,7 @@ def test_a_profile_of_the_mixed_workload_accounts_for_its_wall_time():
     assert run["output_tokens"] > 0 and run["steps"] > 0
     table = format_table([run, {**run, "threads": 2}])
     assert "| LM head |" in table and "speed-up 1->2" in table and "1.00x" in table
+    # The child process hands its run to the parent as JSON; the timed run's decode steps were
+    # timed on the Python layers even where the engine runs them in C (the kernels' rows above).
+    assert json.loads(json.dumps(run))["model"] == "tiny-llama"
+    assert ("(decode layers in C)" in table) == run["decode_layers_in_c"]

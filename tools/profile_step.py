@@ -24,7 +24,9 @@ puts the thread counts side by side with the speed-up of each part: a part near 
 core only. The timers cost about a microsecond per call, so the timed run is a little slower than
 `tokenmill bench`; the untimed wall time of the same run is printed beside it.
 
-The timed and untimed runs take every step whole. From two threads the engine cuts a step's model
+The timed run takes the Python layers, whose kernel calls the timers wrap; the untimed run takes a
+pure decode step's layers in one C call where the engine does (worker/engine/cpu_decode_layers.py),
+so the gap between the two figures includes that. The timed and untimed runs take every step whole. From two threads the engine cuts a step's model
 body into parts that run side by side on threads of their own (worker/engine/cpu_step_parts.py),
 which per-part timers on one thread cannot follow: a third run, untimed, with the engine's parts,
 is printed below the table.
@@ -182,6 +184,11 @@ def profile_once(model: str, threads: int, num_requests: int, seed: int = 0, kv_
     # layers on two threads at once, so the timed and plain runs take whole steps, and a third run,
     # untimed, the engine's own choice.
     parts_pool, engine.runner.step_parts = engine.runner.step_parts, None
+    # The timers wrap the Python layers' kernel calls: a decode step's layers in one C call
+    # (cpu_decode_layers.py) would hide them, so the timed run takes the Python layers and the plain
+    # run the engine's own choice.
+    network = engine.runner.model
+    decode_layers, network._decode_layers = network._decode_layers, None
     timer = PartTimer()
     steps_before = engine.stats().steps
     with ExitStack() as stack:
@@ -191,6 +198,7 @@ def profile_once(model: str, threads: int, num_requests: int, seed: int = 0, kv_
         results = driver(_engine_requests(work, "timed"))
         timed_s = time.perf_counter() - t0
     steps = engine.stats().steps - steps_before
+    network._decode_layers = decode_layers
     # The same requests again without timers, after the timed run has warmed every buffer up.
     t0 = time.perf_counter()
     engine.generate(_engine_requests(work, "plain"))
@@ -208,6 +216,7 @@ def profile_once(model: str, threads: int, num_requests: int, seed: int = 0, kv_
         "model": model, "threads": threads, "num_requests": num_requests, "output_tokens": produced,
         "steps": steps, "plain_wall_s": plain_s, "timed_wall_s": timed_s, "parts_wall_s": parts_s,
         "step_parts": parts_pool.parts if parts_pool is not None else 1,
+        "decode_layers_in_c": decode_layers is not None,
         "parts_s": {p: timer.seconds.get(p, 0.0) for p in PARTS},
         "calls": {p: timer.calls.get(p, 0) for p in PARTS},
     }
@@ -245,7 +254,8 @@ def format_table(runs: list[dict[str, Any]]) -> str:
     lines.append(row + " |")
     for r in runs:
         lines.append(f"\n{r['threads']} thread(s): {r['steps']} steps, {r['output_tokens']} output tokens; "
-                     f"untimed {r['output_tokens'] / r['plain_wall_s']:.0f} tok/s, "
+                     f"untimed {r['output_tokens'] / r['plain_wall_s']:.0f} tok/s"
+                     + (" (decode layers in C)" if r.get("decode_layers_in_c") else "") + ", "
                      f"timed {r['output_tokens'] / r['timed_wall_s']:.0f} tok/s"
                      + (f"; untimed with steps in {r['step_parts']} parts "
                         f"{r['output_tokens'] / r['parts_wall_s']:.0f} tok/s "
