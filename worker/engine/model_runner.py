@@ -33,6 +33,7 @@ import time
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
+from operator import attrgetter, getitem
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -85,6 +86,15 @@ class GreedyIds:
 
 _HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14  # Linux
+
+
+# Per-request reads of a step's inputs (ModelRunner.prepare).
+_runner_row = attrgetter("runner_row")
+_computed = attrgetter("num_computed_tokens")
+_prompt_len = attrgetter("num_prompt_tokens")
+_token_ids = attrgetter("kv.token_ids")
+_block_table = attrgetter("kv.block_table")
+_max_tokens = attrgetter("sampling.max_tokens")
 
 
 def _zeros_kv(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -292,21 +302,25 @@ class ModelRunner:
                     free.append(request.runner_row)
                     request.runner_row = -1
 
-    def _sync_rows(self, requests: Sequence[Request]) -> np.ndarray:
-        rows = np.empty(len(requests), dtype=np.int64)
-        tables, synced = self._tables, self._synced
-        for i, r in enumerate(requests):
-            row = r.runner_row
-            if row < 0:
-                row = r.runner_row = self._free_rows.pop()
-                synced[row] = 0
-            bt = r.kv.block_table
-            have = synced[row]
-            if have != len(bt):
-                tables[row, have : len(bt)] = bt[have:]
-                synced[row] = len(bt)
+    def _sync_rows(self, requests: Sequence[Request]) -> tuple[np.ndarray, np.ndarray]:
+        """(each request's row of the block table, the blocks each holds): a free row for a request
+        new to the runner, and the blocks added since a row's last step copied in. The checks run
+        over all rows at once; the Python loops only over the rows that need something (a request
+        crosses into a new block once every block_size tokens)."""
+        count = len(requests)
+        rows = np.fromiter(map(_runner_row, requests), dtype=np.int64, count=count)
+        synced, tables = self._synced, self._tables
+        for i in np.flatnonzero(rows < 0).tolist():
+            row = requests[i].runner_row = self._free_rows.pop()
+            synced[row] = 0
             rows[i] = row
-        return rows
+        held = np.fromiter(map(len, map(_block_table, requests)), dtype=np.int64, count=count)
+        for i in np.flatnonzero(synced[rows] != held).tolist():
+            row, bt = int(rows[i]), requests[i].kv.block_table
+            have = int(synced[row])
+            tables[row, have : len(bt)] = bt[have:]
+            synced[row] = len(bt)
+        return rows, held
 
     # ------------------------------------------------------------------ one step
     def prepare(
@@ -314,24 +328,27 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, OutputRows | None, StepInputs]:
         bs = self.block_size
         num_seqs = len(requests)
-        rows = self._sync_rows(requests)
+        rows, blocks_held = self._sync_rows(requests)
+        # The per-request reads go through operator's getters (C, no Python frame per request):
+        # a decode step reads hundreds of requests several times over, on the step's serial path.
         n = np.fromiter(num_new_tokens, dtype=np.int64, count=num_seqs)
-        ctx = np.fromiter((r.num_computed_tokens for r in requests), dtype=np.int64, count=num_seqs)
-        totals = np.fromiter((r.num_tokens for r in requests), dtype=np.int64, count=num_seqs)
-        prompt_lens = np.fromiter((r.num_prompt_tokens for r in requests), dtype=np.int64, count=num_seqs)
+        ctx = np.fromiter(map(_computed, requests), dtype=np.int64, count=num_seqs)
+        token_lists = list(map(_token_ids, requests))
+        totals = np.fromiter(map(len, token_lists), dtype=np.int64, count=num_seqs)  # Request.num_tokens
+        prompt_lens = np.fromiter(map(_prompt_len, requests), dtype=np.int64, count=num_seqs)
         qsl = np.zeros(num_seqs + 1, dtype=np.int64)
         np.cumsum(n, out=qsl[1:])
         num_tokens = int(qsl[-1])
         seq_lens = ctx + n
 
         if num_tokens == num_seqs:  # pure decode step: one token per request
-            ids = [r.kv.token_ids[c] for r, c in zip(requests, ctx.tolist(), strict=True)]
+            ids = list(map(getitem, token_lists, ctx.tolist()))
             positions = ctx
             token_rows = rows
         else:
             ids = []
-            for r, c, k in zip(requests, ctx.tolist(), n.tolist(), strict=True):
-                ids.extend(r.kv.token_ids[c : c + k])
+            for token_ids, c, k in zip(token_lists, ctx.tolist(), n.tolist(), strict=True):
+                ids.extend(token_ids[c : c + k])
             positions = np.arange(num_tokens, dtype=np.int64) - np.repeat(qsl[:-1] - ctx, n)
             token_rows = np.repeat(rows, n)
         slots = self._tables[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
@@ -340,7 +357,7 @@ class ModelRunner:
 
         samples = seq_lens == totals
         # A score-only request (max_tokens 0) samples nothing: it ends once its prompt is computed.
-        score_only = np.fromiter((r.sampling.max_tokens == 0 for r in requests), dtype=bool, count=num_seqs)
+        score_only = np.fromiter(map(_max_tokens, requests), dtype=np.int64, count=num_seqs) == 0
         if score_only.any():
             samples &= ~score_only
         scores = score_rows(requests, ctx, n, qsl)
@@ -355,9 +372,9 @@ class ModelRunner:
             num_tokens=num_tokens,
             num_seqs=num_seqs,
             sample_requests=sample_requests,
-            prompt_tokens_computed=int(np.clip(np.minimum(seq_lens, prompt_lens) - ctx, 0, None).sum()),
+            prompt_tokens_computed=int(np.maximum(np.minimum(seq_lens, prompt_lens) - ctx, 0).sum()),
             live_tokens=int(seq_lens.sum()),
-            slots_allocated=int(sum(len(r.kv.block_table) for r in requests)) * bs,
+            slots_allocated=int(blocks_held.sum()) * bs,
             scores=scores,
         )
         staging = self._staging
