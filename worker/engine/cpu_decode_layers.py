@@ -11,7 +11,7 @@ attention rows of the backend's plan) and one per layer (its weights and cache),
 loop calls the kernels' own entry points in the layer's order.
 
 Same bits as the Python path: the same kernels get the same arguments in the same order (tested
-against it, layer by layer's output, at 1 and 2 threads). Only a pure decode step of a float32
+against it: the final hidden states and the K/V written, bit for bit, at 1 and 2 threads). Only a pure decode step of a float32
 model whose projections all run on the AMX kernel, without q/k norms, with the C element-wise
 kernels and the C decode attention, takes this path; every other step keeps the Python layers.
 Off with TOKENMILL_DECODE_LAYERS_IN_C=0.
@@ -189,6 +189,8 @@ class DecodeLayers:
             packed = layer._packed
             if packed is None or any(w.kind != "amx" for w in packed.values()) or layer.qk_norm is not None:
                 return None
+            if not all(_plain_bias(b) for b in (layer.qkv_bias, layer.o_bias)):
+                return None  # the kernel reads a bias as float32 in place
         elementwise, attention = cpu_elementwise.library(), cpu_decode_kernel.load()
         gemm, lib = cpu_amx_gemm.library(), _library.get()
         if elementwise is None or attention is None or gemm is None or lib is None:
@@ -274,9 +276,9 @@ class DecodeLayers:
         return buffers["down_out"], buffers["res_a"] if which == 0 else buffers["res_b"]
 
 
+def _plain_bias(bias: torch.Tensor | None) -> bool:
+    return bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())
+
+
 def _bias_ptr(bias: torch.Tensor | None) -> int | None:
-    if bias is None:
-        return None
-    if bias.dtype != torch.float32 or not bias.is_contiguous():
-        raise ValueError("a float32 model's projection bias is float32 and contiguous")
-    return bias.data_ptr()
+    return None if bias is None else bias.data_ptr()
