@@ -220,10 +220,6 @@ def norm_lanes(n: int) -> int | None:
 
 def threads_for(elements: int) -> int:
     """The threads the kernels here use for a pass over `elements` values."""
-    return _threads(elements)
-
-
-def _threads(elements: int) -> int:
     return torch.get_num_threads() if elements >= PARALLEL_MIN_ELEMENTS else 1
 
 
@@ -245,7 +241,7 @@ def _call_norm(lib, x, residual, weight, eps, lanes) -> tuple[torch.Tensor, torc
     lib.add_rms_norm_f32(
         x.data_ptr(), x.stride(0), residual.data_ptr() if residual is not None else None,
         residual.stride(0) if residual is not None else 0, weight.data_ptr(), eps, rows, n, lanes,
-        out_norm.data_ptr(), out_res.data_ptr(), _threads(rows * n),
+        out_norm.data_ptr(), out_res.data_ptr(), threads_for(rows * n),
     )
     return out_norm, out_res
 
@@ -310,7 +306,7 @@ def rotary_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Te
         return None
     out_q, out_k = torch.empty(rows, qh, d), torch.empty(rows, kh, d)
     lib.rotary_qk_f32(q.data_ptr(), q.stride(0), qh, k.data_ptr(), k.stride(0), kh, cos.data_ptr(), sin.data_ptr(),
-                      d, rows, out_q.data_ptr(), out_k.data_ptr(), _threads(rows * (qh + kh) * d))
+                      d, rows, out_q.data_ptr(), out_k.data_ptr(), threads_for(rows * (qh + kh) * d))
     return out_q, out_k
 
 
@@ -334,7 +330,7 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, va
         return False
     width = heads * d
     lib.write_kv_f32(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), key_cache.data_ptr(),
-                     value_cache.data_ptr(), slot_mapping.data_ptr(), rows, width, _threads(2 * rows * width))
+                     value_cache.data_ptr(), slot_mapping.data_ptr(), rows, width, threads_for(2 * rows * width))
     return True
 
 
@@ -363,5 +359,5 @@ def rotary_write_kv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos: t
     out_q = torch.empty(rows, num_heads, d)
     lib.rotary_write_kv_f32(qkv.data_ptr(), qkv.stride(0), num_heads, num_kv_heads, d, cos.data_ptr(), sin.data_ptr(),
                             rows, slot_mapping.data_ptr(), out_q.data_ptr(), key_cache.data_ptr(),
-                            value_cache.data_ptr(), _threads(rows * qkv.shape[1]))
+                            value_cache.data_ptr(), threads_for(rows * qkv.shape[1]))
     return out_q

@@ -271,12 +271,13 @@ def build_plan(meta: AttentionMetadata, block_size: int, num_kv_heads: int = 1,
     # copy that indexing wants is made only for the rows that need one (below).
     given = meta.block_tables if meta.block_tables.device.type == "cpu" else meta.block_tables.cpu()
     max_blocks = given.shape[1] if given.dim() == 2 else 0
-    tables_long: list[torch.Tensor] = []
+    tables_long: torch.Tensor | None = None
 
     def tables() -> torch.Tensor:
-        if not tables_long:
-            tables_long.append(given.to(dtype=torch.long))
-        return tables_long[0]
+        nonlocal tables_long
+        if tables_long is None:
+            tables_long = given.to(dtype=torch.long)
+        return tables_long
     # The rows are checked and sorted with numpy (a Python loop over a decode step's few hundred
     # rows was a tenth of a millisecond on the step's serial path); errors name the first bad row.
     start_a = np.asarray(starts, dtype=np.int64)
