@@ -77,3 +77,58 @@ def test_a_users_own_malloc_choice_is_left_alone(env, why):
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc malloc only")
 def test_unrelated_environment_does_not_stop_tuning():
     assert skip_reason({"GLIBC_TUNABLES": "glibc.cpu.hwcaps=-AVX512F", "LD_PRELOAD": "libfoo.so"}) is None
+
+
+# A fresh process: the huge-page setting, then a large tensor written through; prints the setting's
+# state and how much of the process's anonymous memory is on huge pages.
+_HUGE = textwrap.dedent("""
+    import sys
+    import torch
+    from worker.engine.host_memory import large_tensors_on_huge_pages
+    if sys.argv[1] == "late":
+        early = torch.ones(1 << 21)  # 8 MiB before the engine asks: torch has made its choice
+    state = large_tensors_on_huge_pages()
+    x = torch.ones(64 << 18)  # 64 MiB
+    rollup = open("/proc/self/smaps_rollup").read()
+    print(state)
+    print(int(rollup.split("AnonHugePages:")[1].split()[0]))
+""")
+
+
+def _huge_pages(order: str, **env) -> tuple[str, int]:
+    clean = {k: v for k, v in os.environ.items() if k not in ("THP_MEM_ALLOC_ENABLE", "TOKENMILL_HUGE_PAGES")}
+    out = subprocess.run([sys.executable, "-c", _HUGE, order], env={**clean, **env}, capture_output=True, text=True,
+                         check=True, timeout=120).stdout.splitlines()
+    return out[0], int(out[1])
+
+
+def _thp_mode() -> str:
+    try:
+        text = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        return "absent"
+    return text.split("[")[1].split("]")[0]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux transparent huge pages only")
+def test_large_tensors_go_on_huge_pages_when_asked_in_time():
+    state, huge_kb = _huge_pages("first")
+    assert state == "on"
+    if _thp_mode() in ("madvise", "always"):  # the kernel honours the advice: the 64 MiB lie on 2 MiB pages
+        assert huge_kb >= 48 << 10, huge_kb
+    late, _ = _huge_pages("late")
+    assert late.startswith("too late"), late
+    off, off_kb = _huge_pages("first", TOKENMILL_HUGE_PAGES="0")
+    assert off == "skipped: TOKENMILL_HUGE_PAGES=0"
+    if _thp_mode() == "madvise":  # nothing advised, nothing huge (the kernel would not do it alone)
+        assert off_kb < 8 << 10, off_kb
+
+
+@pytest.mark.parametrize(("env", "why"), [
+    ({"TOKENMILL_HUGE_PAGES": "0"}, "TOKENMILL_HUGE_PAGES=0"),
+    ({"THP_MEM_ALLOC_ENABLE": "0"}, "THP_MEM_ALLOC_ENABLE=0 set by the user"),
+])
+def test_a_users_own_huge_page_choice_is_left_alone(env, why):
+    from worker.engine.host_memory import huge_pages_skip_reason
+
+    assert huge_pages_skip_reason(env) == why

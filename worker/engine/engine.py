@@ -42,7 +42,7 @@ from worker.engine.config import EngineConfig
 from worker.engine.cpu_step_parts import StepPartPool, default_parts, head_weight, key_weight, layer_params
 from worker.engine.cpu_threads import apply_cpu_threads
 from worker.engine.fault_isolation import FaultIsolation, StepFault, blame, describe
-from worker.engine.host_memory import keep_freed_memory
+from worker.engine.host_memory import keep_freed_memory, large_tensors_on_huge_pages
 from worker.engine.metrics import EngineMetrics
 from worker.engine.model_runner import ModelRunner
 from worker.engine.outputs import final_delta, token_delta, token_logprobs
@@ -81,6 +81,7 @@ class Engine:
         self.cpu_threads: int | None = None
         if self.device.type == "cpu":
             keep_freed_memory()  # steps stop re-faulting their activations' pages (see host_memory)
+            large_tensors_on_huge_pages()  # weights and activations on 2 MiB pages, before the model loads
             self.cpu_threads, why = apply_cpu_threads(config.cpu_threads)
             log.info("CPU engine computes with %d thread(s): %s", self.cpu_threads, why)
         backend = get_attention_backend(config.attention_backend, self.device)
