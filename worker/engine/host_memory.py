@@ -19,17 +19,19 @@ Setting any of these turns off glibc's own adaptive threshold, so all three are 
 user who tunes malloc through the environment (MALLOC_*_ variables or GLIBC_TUNABLES) or preloads
 another allocator is left alone; TOKENMILL_MALLOC_TUNING=0 turns this off.
 
-Huge pages for large tensors (large_tensors_on_huge_pages): torch's CPU allocator can align every
-allocation of 2 MiB or more to 2 MiB and advise the kernel to back it with transparent huge pages
-(its THP_MEM_ALLOC_ENABLE setting). A step streams its weights (tiny-llama: ~17 MB of split
-projection weights and the 16 MB bfloat16 greedy screen, every decode step) and activations through
-the TLB; with 4 KiB pages each 4 KiB costs a page walk, nested under a VM's own page tables. Measured
-on tiny-llama's `mixed` run (engine on / TOKENMILL_HUGE_PAGES=0, alternated): 2 threads 6.45 / 6.57,
-5.99 / 6.25 and 6.15 / 6.57 s; 1 thread 11.41 / 11.73 and 11.26 / 11.67 s. torch reads the setting once, at its first
+Huge pages for large tensors (large_tensors_on_huge_pages): torch's CPU allocator can advise the
+kernel to back every allocation of 2 MiB or more with transparent huge pages (its
+THP_MEM_ALLOC_ENABLE setting; the kernel then maps the allocation's whole 2 MiB spans as huge
+pages). A step streams its weights (tiny-llama: ~17 MB of split projection weights and the 16 MB
+bfloat16 greedy screen, every decode step) and activations through the TLB; with 4 KiB pages each
+4 KiB costs a page walk, nested under a VM's own page tables. Measured on tiny-llama's `mixed` run
+(engine on / TOKENMILL_HUGE_PAGES=0, alternated): 2 threads 6.45 / 6.57, 5.99 / 6.25 and 6.15 /
+6.57 s; 1 thread 11.41 / 11.73 and 11.26 / 11.67 s. torch reads the setting once, at its first
 allocation of 2 MiB or more, so the engine sets it before loading a model; in a process that has
 allocated a large tensor before, it cannot take effect, and the engine says so (debug log). A value
-the user set is kept; TOKENMILL_HUGE_PAGES=0 turns this off. The KV cache is advised on its own
-(model_runner._zeros_kv), either way.
+the user set is kept, a kernel without transparent huge pages is left alone, and
+TOKENMILL_HUGE_PAGES=0 turns this off. The KV cache is advised on its own (model_runner._zeros_kv),
+either way.
 """
 
 from __future__ import annotations
@@ -60,9 +62,10 @@ _USER_MALLOC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_TRIM_TH
 
 _applied: str | None = None  # why the last call did or did not tune, once decided
 
-HUGE_PAGE = 2 << 20  # torch's threshold and alignment for huge-page allocations (2 MiB)
+HUGE_PAGE = 2 << 20  # torch advises allocations of at least this many bytes (2 MiB)
 _TORCH_THP_ENV = "THP_MEM_ALLOC_ENABLE"
 _huge_pages: str | None = None  # large_tensors_on_huge_pages' answer, once decided
+_THP_SYSFS = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
 def keep_freed_memory() -> str:
@@ -128,6 +131,8 @@ def _enable_huge_pages(env: Mapping[str, str]) -> str:
     reason = huge_pages_skip_reason(env)
     if reason is not None:
         return f"skipped: {reason}"
+    if not os.path.exists(_THP_SYSFS):
+        return "skipped: the kernel has no transparent huge pages"
     os.environ[_TORCH_THP_ENV] = "1"
     # The first large allocation from here on fixes torch's choice; a probe tells which it was: with
     # the setting, its memory is advised for huge pages (the kernel flags that mapping "hg").
