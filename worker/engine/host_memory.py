@@ -133,12 +133,17 @@ def _enable_huge_pages(env: Mapping[str, str]) -> str:
         return f"skipped: {reason}"
     if not os.path.exists(_THP_SYSFS):
         return "skipped: the kernel has no transparent huge pages"
-    os.environ[_TORCH_THP_ENV] = "1"
-    # The first large allocation from here on fixes torch's choice; a probe tells which it was: with
-    # the setting, its memory is advised for huge pages (the kernel flags that mapping "hg").
+    # The first large allocation from here on fixes torch's choice; a probe makes it, and tells
+    # which it was: with the setting, its memory is advised for huge pages (the kernel flags that
+    # mapping "hg"). The variable goes again after: child processes (a test's, a tool's) keep
+    # the environment they would have had.
     import torch
 
-    probe = torch.empty(HUGE_PAGE // 4 + 1, dtype=torch.float32)
+    os.environ[_TORCH_THP_ENV] = "1"
+    try:
+        probe = torch.empty(HUGE_PAGE // 4 + 1, dtype=torch.float32)
+    finally:
+        del os.environ[_TORCH_THP_ENV]
     flags = _mapping_flags(probe.data_ptr())
     if flags is None:
         return "on (unconfirmed: /proc/self/smaps unreadable)"
