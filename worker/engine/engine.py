@@ -35,6 +35,7 @@ import logging
 import time
 from collections.abc import Iterable
 from dataclasses import replace
+from operator import attrgetter
 from pathlib import Path
 
 from worker.engine.block_manager import BlockManager
@@ -64,6 +65,8 @@ from worker.engine.types import (
 )
 
 log = logging.getLogger(__name__)
+
+_max_tokens = attrgetter("sampling.max_tokens")
 
 # How long an engine with nothing to run but compiles in progress blocks in one step.
 COMPILE_WAIT_S = 0.05
@@ -299,6 +302,8 @@ class Engine:
     def _end_scored(self, out: SchedulerOutput, now: float) -> list[RequestDelta]:
         """End the score-only requests (max_tokens 0) whose prompt is now computed, with LENGTH:
         they sample no token (model_runner.py leaves them out of the sampling rows)."""
+        if 0 not in map(_max_tokens, out.requests):  # in C: most steps have none
+            return []
         done = [
             r for r in out.requests
             if r.sampling.max_tokens == 0 and r.status is RequestStatus.RUNNING

@@ -95,6 +95,7 @@ _prompt_len = attrgetter("num_prompt_tokens")
 _token_ids = attrgetter("kv.token_ids")
 _block_table = attrgetter("kv.block_table")
 _max_tokens = attrgetter("sampling.max_tokens")
+_prompt_scores = attrgetter("prompt_scores")
 
 
 def _zeros_kv(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -199,6 +200,7 @@ class ModelRunner:
         self.model = model
         self.graph_mode = graph_mode
         self.device = device
+        self._on_cpu = device.type == "cpu"  # asked for every step input
         self.block_size = block_size
         self.num_blocks = num_blocks
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
@@ -357,10 +359,11 @@ class ModelRunner:
 
         samples = seq_lens == totals
         # A score-only request (max_tokens 0) samples nothing: it ends once its prompt is computed.
-        score_only = np.fromiter(map(_max_tokens, requests), dtype=np.int64, count=num_seqs) == 0
-        if score_only.any():
-            samples &= ~score_only
-        scores = score_rows(requests, ctx, n, qsl)
+        # (`0 in map(...)` and the count below run in C: most steps have neither kind of request.)
+        if 0 in map(_max_tokens, requests):
+            samples &= np.fromiter(map(_max_tokens, requests), dtype=np.int64, count=num_seqs) != 0
+        scoring = list(map(_prompt_scores, requests)).count(None) < num_seqs
+        scores = score_rows(requests, ctx, n, qsl) if scoring else None
         if samples.all():
             sample_requests = list(requests)
             logits_index = None if num_tokens == num_seqs and scores is None else qsl[1:] - 1
@@ -459,7 +462,7 @@ class ModelRunner:
         return np.asarray(dst, dtype=np.int64), np.asarray(src, dtype=np.int64)
 
     def _to_device(self, name: str, a: np.ndarray) -> torch.Tensor:
-        if self.device.type == "cpu":
+        if self._on_cpu:
             return torch.from_numpy(a)
         if self._staging is not None:
             return self._staging.upload(name, a)

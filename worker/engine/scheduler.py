@@ -304,12 +304,13 @@ class Scheduler:
 
     def on_step_done(self, out: SchedulerOutput) -> None:
         """The step's forward ran: its tokens are computed; cache the blocks that became full."""
-        bm = self.bm
+        register = self.bm.register_computed if self.bm.enable_prefix_caching else None
         for req, n in zip(out.requests, out.num_new_tokens, strict=True):
             if req.status is RequestStatus.FINISHED:
                 continue  # finished while the step ran (async scheduling): its blocks are released
             req.num_computed_tokens += n
-            bm.register_computed(req.kv, req.num_computed_tokens)
+            if register is not None:
+                register(req.kv, req.num_computed_tokens)
 
 
 def _sort_key(r: Request) -> tuple[int, float, int]:
