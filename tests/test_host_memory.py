@@ -136,3 +136,10 @@ def test_a_users_own_huge_page_choice_is_left_alone(env, why):
     from worker.engine.host_memory import huge_pages_skip_reason
 
     assert huge_pages_skip_reason(env) == why
+
+
+def test_a_mistyped_huge_page_switch_is_an_error_not_the_default():
+    from worker.engine.host_memory import huge_pages_skip_reason
+
+    with pytest.raises(ValueError, match="TOKENMILL_HUGE_PAGES"):
+        huge_pages_skip_reason({"TOKENMILL_HUGE_PAGES": "of"})

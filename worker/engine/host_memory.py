@@ -43,6 +43,8 @@ import platform
 import sys
 from collections.abc import Mapping
 
+from worker.engine.switches import parse_switch
+
 log = logging.getLogger(__name__)
 
 _M_TRIM_THRESHOLD = -1
@@ -118,7 +120,7 @@ def large_tensors_on_huge_pages() -> str:
 
 def huge_pages_skip_reason(env: Mapping[str, str]) -> str | None:
     """Why the huge-page setting must be left as it is in this environment, or None to set it."""
-    if env.get("TOKENMILL_HUGE_PAGES", "1").strip().lower() in ("0", "false", "no", "off"):
+    if parse_switch("TOKENMILL_HUGE_PAGES", env.get("TOKENMILL_HUGE_PAGES")) is False:
         return "TOKENMILL_HUGE_PAGES=0"
     if env.get(_TORCH_THP_ENV) is not None:
         return f"{_TORCH_THP_ENV}={env[_TORCH_THP_ENV]} set by the user"

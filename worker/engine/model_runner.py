@@ -42,6 +42,7 @@ import torch
 from worker.engine.attention import AttentionMetadata, OutputRows
 from worker.engine.cpu_step_parts import StepPartPool, plan_parts
 from worker.engine.cuda_graphs import DecodeGraphRunner, capture_sizes
+from worker.engine.host_memory import HUGE_PAGE
 from worker.engine.request import PENDING_TOKEN, Request
 from worker.engine.sampler import Sampler
 from worker.engine.scoring import ScoreRows, record_scores, score_rows
@@ -84,7 +85,6 @@ class GreedyIds:
     ids: torch.Tensor
 
 
-_HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14  # Linux
 
 
@@ -110,15 +110,15 @@ def _zeros_kv(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) 
         return torch.zeros(shape, dtype=dtype, device=device)
     numel = math.prod(shape)
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    if nbytes < _HUGE_PAGE:
+    if nbytes < HUGE_PAGE:
         return torch.zeros(shape, dtype=dtype)
     item = torch.empty((), dtype=dtype).element_size()
-    raw = torch.empty(numel + _HUGE_PAGE // item, dtype=dtype)  # room to align the start to 2 MiB
-    start = (-raw.data_ptr()) % _HUGE_PAGE // item
+    raw = torch.empty(numel + HUGE_PAGE // item, dtype=dtype)  # room to align the start to 2 MiB
+    start = (-raw.data_ptr()) % HUGE_PAGE // item
     tensor = raw[start : start + numel]
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise(ctypes.c_void_p(tensor.data_ptr()), ctypes.c_size_t(nbytes - nbytes % _HUGE_PAGE), _MADV_HUGEPAGE)
+        libc.madvise(ctypes.c_void_p(tensor.data_ptr()), ctypes.c_size_t(nbytes - nbytes % HUGE_PAGE), _MADV_HUGEPAGE)
     except (OSError, AttributeError):
         pass  # only advice: without it the cache works the same, a little slower
     return tensor.zero_().view(shape)  # zeroing after the advice maps the pages as huge pages

@@ -31,6 +31,11 @@ def switch(name: str) -> bool | None:
 
     Raises ValueError for anything else, so a typo is not taken for the default."""
     raw = _raw(name)
+    return None if raw is None else parse_switch(name, raw)  # unset, the usual case: no second call
+
+
+def parse_switch(name: str, raw: str | None) -> bool | None:
+    """`switch` for a value read elsewhere (an environment given as a mapping)."""
     if raw is None or not raw.strip():
         return None
     value = raw.strip().lower()
