@@ -84,10 +84,10 @@ def test_unrelated_environment_does_not_stop_tuning():
 # A fresh process: the huge-page setting, then a large tensor written through; prints the setting's
 # state and how much of the process's anonymous memory is on huge pages.
 _HUGE = textwrap.dedent("""
+    import os
     import sys
     import torch
     from worker.engine.host_memory import large_tensors_on_huge_pages
-    import os
     if sys.argv[1] == "late":
         early = torch.ones(1 << 21)  # 8 MiB before the engine asks: torch has made its choice
     state = large_tensors_on_huge_pages()

@@ -30,8 +30,7 @@ def switch(name: str) -> bool | None:
     """An on/off environment switch: False for 0/false/no/off, True for 1/true/yes/on, None unset.
 
     Raises ValueError for anything else, so a typo is not taken for the default."""
-    raw = _raw(name)
-    return None if raw is None else parse_switch(name, raw)  # unset, the usual case: no second call
+    return parse_switch(name, _raw(name))
 
 
 def parse_switch(name: str, raw: str | None) -> bool | None:
