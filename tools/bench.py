@@ -27,6 +27,7 @@ import gc
 import json
 import random
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -137,7 +138,11 @@ def _engine_requests(work: Workload, tag: str):
     ]
 
 
-def run_engine(model_dir: Path, work: Workload, engine_options: dict[str, Any]) -> EngineRun:
+def run_engine(
+    model_dir: Path, work: Workload, engine_options: dict[str, Any], before_timed: Callable[[], None] | None = None
+) -> EngineRun:
+    """The engine on `work` after a warm-up; `before_timed` runs after the warm-up, just before the
+    clock starts (tools/scaling_ceiling.py lines up two processes' timed runs with it)."""
     from worker.engine import Engine, EngineConfig
     from worker.engine.engine import EngineMetrics
 
@@ -149,6 +154,8 @@ def run_engine(model_dir: Path, work: Workload, engine_options: dict[str, Any]) 
     steps_before = engine.stats().steps
 
     requests = _engine_requests(work, "bench")
+    if before_timed is not None:
+        before_timed()
     c0, t0 = time.process_time(), time.perf_counter()
     results = engine.generate(requests)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
