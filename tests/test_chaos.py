@@ -23,6 +23,10 @@ def test_scenarios_that_restart_the_broker_refuse_a_given_one():
     with pytest.raises(ValueError, match="unknown scenario"):
         ChaosConfig("flood").validate()
     ChaosConfig("kill", bootstrap="kafka:9092").validate()
+    with pytest.raises(ValueError, match="needs one it starts itself"):
+        ChaosConfig("kill", bootstrap="kafka:9092", broker_restarts=1).validate()
+    with pytest.raises(ValueError, match="goes with the kill scenario"):
+        ChaosConfig("rebalance-storm", broker_restarts=1).validate()
 
 
 def test_metrics_text_is_read_with_labels():
@@ -38,6 +42,17 @@ def test_the_report_says_what_was_lost_and_what_bounds_the_duplicates():
     text = report.format()
     assert not report.ok and "JOBS LOST" in text and "3 (bound 7" in text and "drain" in text
     assert json.loads(json.dumps(report.to_json()))["duplicate_bound"] == 7
+
+
+def test_a_worker_that_was_not_killed_and_exits_non_zero_fails_the_run():
+    exits = {"w1": "killed", "w2": 0, "w3": 1, "w4": 0}
+    report = ChaosReport("kill", 10, lost=0, duplicated=0, not_ok=0, drain_s=1.0, commit_lag=0,
+                         duplicate_bound=0, duplicate_bound_departed=0, first_result_s=0.4, worker_exits=exits)
+    text = report.format()
+    assert not report.ok and report.failed_exits == {"w3": 1}
+    assert "WORKER FAILED" in text and "w1: killed, w2: 0, w3: 1, w4: 0" in text
+    exits["w3"] = 0
+    assert report.ok and "-> OK" in report.format()
 
 
 def _chaos(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -60,5 +75,9 @@ def test_a_short_kill_run_through_the_command_line_loses_nothing(kafka_bootstrap
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(out.read_text())
     assert report["lost"] == 0 and report["commit_lag"] == 0 and report["unexpected_exits"] == []
+    killed = report["details"]["kills"][0]["worker"]
+    assert report["worker_exits"][killed] == "killed" and len(report["worker_exits"]) == 3
+    assert all(code == 0 for name, code in report["worker_exits"].items() if name != killed)
+    assert "worker exits" in proc.stdout
     assert len(report["details"]["kills"]) == 1 and report["duplicated"] <= report["duplicate_bound"]
     assert "chaos kill: 400 jobs -> OK" in proc.stdout and "duplicated" in proc.stdout

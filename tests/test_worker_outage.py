@@ -44,26 +44,27 @@ class FlakyStart:
         self.failures, self.calls = failures, 0
         self.error = error or KafkaConnectionError("Unable to bootstrap from [('127.0.0.1', 1)]")
 
-    async def __call__(self) -> None:
+    async def __call__(self) -> str:
         self.calls += 1
         if self.calls <= self.failures:
             raise self.error
+        return "connected"
 
 
 async def test_broker_wait_tries_again_with_backoff_until_a_broker_answers():
     ticks = []
     wait = BrokerWait("127.0.0.1:1", 10.0, asyncio.Event(), LOG, tick=lambda: ticks.append(1), first_delay_s=0.01)
     start = FlakyStart(failures=3)
-    assert await wait.start(start, "producer") is True
+    assert await wait.call(start, "admin client") == "connected"
     assert start.calls == 4 and len(ticks) >= 4  # the liveness probe is fed while waiting
-    assert await wait.start(FlakyStart(failures=0), "consumer") is True
+    assert await wait.call(FlakyStart(failures=0), "consumer") == "connected"
 
 
 async def test_broker_wait_gives_up_after_its_timeout_with_one_clear_message():
     wait = BrokerWait("127.0.0.1:1", 0.3, asyncio.Event(), LOG, first_delay_s=0.05)
     t0 = time.monotonic()
     with pytest.raises(BrokerUnreachable) as caught:
-        await wait.start(FlakyStart(failures=1000), "producer")
+        await wait.call(FlakyStart(failures=1000), "producer")
     assert time.monotonic() - t0 < 1.5
     message = str(caught.value)
     assert "no Kafka broker answered at 127.0.0.1:1 within 0.3s" in message and "--broker-wait-timeout" in message
@@ -72,9 +73,74 @@ async def test_broker_wait_gives_up_after_its_timeout_with_one_clear_message():
 async def test_broker_wait_ends_when_the_worker_is_stopped_and_passes_other_errors_on():
     stop = asyncio.Event()
     asyncio.get_running_loop().call_later(0.1, stop.set)
-    assert await BrokerWait("h:1", 60.0, stop, LOG, first_delay_s=5.0).start(FlakyStart(1000), "producer") is False
+    assert await BrokerWait("h:1", 60.0, stop, LOG, first_delay_s=5.0).call(FlakyStart(1000), "producer") is None
     with pytest.raises(ValueError):  # not a connection problem: no waiting
-        await BrokerWait("h:1", 60.0, asyncio.Event(), LOG).start(FlakyStart(1, ValueError("bad")), "producer")
+        await BrokerWait("h:1", 60.0, asyncio.Event(), LOG).call(FlakyStart(1, ValueError("bad")), "producer")
+
+
+class OneShotClient:
+    """Like an aiokafka client: start() may be called once; the first client's start hangs (a
+    join or a host that drops packets) or fails, later ones connect."""
+
+    made: list[OneShotClient] = []
+
+    def __init__(self, hang: bool, fail: bool = False) -> None:
+        self.hang, self.fail = hang, fail
+        self.starts = self.stops = 0
+        OneShotClient.made.append(self)
+
+    async def start(self) -> None:
+        assert self.starts == 0, "Did you call `start` twice?"
+        self.starts += 1
+        if self.fail:
+            raise KafkaConnectionError("refused")
+        if self.hang:
+            await asyncio.sleep(60)
+
+    async def stop(self) -> None:
+        self.stops += 1
+
+
+@pytest.mark.parametrize("first", ["times out", "fails"])
+async def test_a_start_that_timed_out_or_failed_is_closed_and_the_next_try_makes_a_new_client(first):
+    OneShotClient.made = []
+    wait = BrokerWait("h:1", 30.0, asyncio.Event(), LOG, first_delay_s=0.01, try_timeout_s=0.2)
+
+    def make() -> OneShotClient:
+        fresh = not OneShotClient.made
+        return OneShotClient(hang=fresh and first == "times out", fail=fresh and first == "fails")
+
+    client = await wait.start(make, "consumer")
+    made = OneShotClient.made
+    assert len(made) == 2 and client is made[1]
+    assert [c.starts for c in made] == [1, 1]  # no client started twice
+    assert made[0].stops == 1 and made[1].stops == 0  # the failed one closed, the live one kept
+
+
+async def test_joining_a_slow_group_waits_the_rebalance_allowance_then_counts_as_an_outage():
+    stop = asyncio.Event()
+    joined = {"now": False}
+    asyncio.get_running_loop().call_later(0.3, lambda: joined.update(now=True))
+    ticks = []
+    wait = BrokerWait("h:1", 0.0, stop, LOG, tick=lambda: ticks.append(1))
+    # A join longer than a connection try is not an outage while within the allowance.
+    assert await wait.join(lambda: joined["now"], rebalance_s=5.0, poll_s=0.02) is True
+    assert ticks  # alive while joining
+    t0 = time.monotonic()
+    with pytest.raises(BrokerUnreachable, match="handed out no partitions"):
+        await BrokerWait("h:1", 0.1, stop, LOG).join(lambda: False, rebalance_s=0.2, poll_s=0.02)
+    assert 0.25 <= time.monotonic() - t0 < 2.0  # the allowance, then the broker wait timeout
+    asyncio.get_running_loop().call_later(0.1, stop.set)
+    assert await BrokerWait("h:1", 60.0, stop, LOG).join(lambda: False, rebalance_s=60.0, poll_s=0.02) is False
+
+
+def test_readiness_says_the_worker_is_joining_while_it_joins():
+    health = HealthState()
+    health.model_loaded = True
+    assert health.ready() == (False, "consumer group not joined")
+    health.joining_since = time.monotonic() - 20
+    ready, why = health.ready()
+    assert not ready and why.startswith("joining the consumer group (2")
 
 
 def test_broker_watch_reports_an_outage_once_and_how_long_it_lasted():

@@ -52,6 +52,11 @@ class WorkerSettings:
     backpressure: BackpressurePolicy = field(default_factory=BackpressurePolicy)
     security: KafkaSecurity = field(default_factory=KafkaSecurity)
 
+    def rebalance_allowance_s(self) -> float:
+        """How long joining the group may take before it counts as an outage: a dead member's
+        session expires, then the incumbents have the rebalance timeout to rejoin."""
+        return (self.session_timeout_ms + self.max_poll_interval_ms) / 1000
+
     def engine_jobs_bound(self) -> int:
         """max_engine_jobs, or its default: 2 x the engine's max_num_seqs (0 = no bound)."""
         return 2 * self.engine.max_num_seqs if self.max_engine_jobs is None else self.max_engine_jobs

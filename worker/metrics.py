@@ -155,6 +155,7 @@ class HealthState:
     def __init__(self, stall_after_s: float = 30.0) -> None:
         self.model_loaded = False
         self.group_joined = False
+        self.joining_since: float | None = None  # monotonic time the consumer subscribed, until it joined
         self.draining = False
         self.broker_reachable = True  # False while the broker watch's probe fails (broker_watch.py)
         self.stall_after_s = stall_after_s
@@ -173,6 +174,8 @@ class HealthState:
         if not self.model_loaded:
             return False, "model not loaded"
         if not self.group_joined:
+            if self.joining_since is not None:
+                return False, f"joining the consumer group ({time.monotonic() - self.joining_since:.0f}s)"
             return False, "consumer group not joined"
         if self.draining:
             return False, "draining"

@@ -162,6 +162,12 @@ class Fleet:
         done = await asyncio.gather(*(self.depart(w, "SIGTERM", wait_s) for w in self.live()))
         return {d.worker: d.exit_code for d in done}
 
+    def exits(self) -> dict[str, int | str | None]:
+        """Every worker of the run, by name: "killed" for those the scenario killed, else the exit
+        code (None: still running, or it had to be killed after not stopping in time)."""
+        killed = {d.worker for d in self.departures if d.how == "SIGKILL"}
+        return {name: "killed" if name in killed else w.proc.poll() for name, w in self.workers.items()}
+
     def kill_all_now(self) -> None:
         """The last resort of a failed run: nothing is left running."""
         for w in self.workers.values():

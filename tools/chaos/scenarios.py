@@ -5,7 +5,9 @@ Every run: a broker (one started here, or the one given), fresh topics (the jobs
 and a probe of each worker's /readyz every second. Then one scenario injects its faults:
 
 - `kill`: `workers` workers; all jobs produced; each time another 1/(kills+1) of the jobs has a
-  Result, a random worker is killed with SIGKILL and a new one started in its place.
+  Result, a random worker is killed with SIGKILL and a new one started in its place. With
+  `broker_restarts`, the broker is also restarted that many times, spread between the kills
+  (the replacements then join a group still settling from the restart).
 - `broker-restart`: the broker is stopped (cleanly) once a tenth of the jobs has a Result and
   started again at once.
 - `outage`: the same, but the broker stays away for `outage_s` seconds.
@@ -15,6 +17,10 @@ and a probe of each worker's /readyz every second. Then one scenario injects its
 
 The run ends when every job has a Result and the group's commit lag is 0 (or `drain_timeout_s`
 passed), then the last workers' assignments are checked and they are stopped with SIGTERM.
+
+Every worker's exit is reported: a killed one's signal, every other one's code. A worker that
+was not killed must exit 0 (a drain on SIGTERM); one that exits on its own, or with another
+code, fails the run as a lost job does.
 
 Duplicates are bounded by what was uncommitted when work changed hands: each killed worker's
 `tokenmill_uncommitted_offsets` just before the kill, plus what workers logged as given up
@@ -50,6 +56,7 @@ class ChaosConfig:
     partitions: int = 8
     max_tokens: int = 8
     kills: int = 3
+    broker_restarts: int = 0  # kill: broker restarts spread between the kills
     outage_s: float = 120.0
     schedule: tuple[int, ...] = (1, 4, 1, 3)
     step_s: float = 7.5
@@ -62,7 +69,7 @@ class ChaosConfig:
         problems = []
         if self.scenario not in SCENARIOS:
             problems.append(f"unknown scenario {self.scenario!r}: one of {', '.join(SCENARIOS)}")
-        if self.scenario in NEEDS_OWN_BROKER and self.bootstrap:
+        if (self.scenario in NEEDS_OWN_BROKER or self.broker_restarts) and self.bootstrap:
             problems.append(f"{self.scenario} stops and starts the broker, so it needs one it starts itself: "
                             "leave out --bootstrap-servers")
         for name in ("jobs", "workers", "partitions", "max_tokens"):
@@ -70,6 +77,10 @@ class ChaosConfig:
                 problems.append(f"--{name.replace('_', '-')} must be >= 1")
         if self.kills < 1:
             problems.append("--kills must be >= 1")
+        if self.broker_restarts < 0:
+            problems.append("--broker-restarts must be >= 0")
+        if self.broker_restarts and self.scenario != "kill":
+            problems.append("--broker-restarts goes with the kill scenario")
         if self.outage_s < 0 or self.step_s <= 0 or self.drain_timeout_s <= 0:
             problems.append("--outage-seconds must be >= 0, --step-seconds and --drain-timeout > 0")
         if len(self.schedule) < 2 or min(self.schedule) < 1:
@@ -94,10 +105,18 @@ class ChaosReport:
     exit_codes: dict[str, int | None] = field(default_factory=dict)  # of the last workers, stopped at the end
     details: dict = field(default_factory=dict)
     lost_ids: list[str] = field(default_factory=list)  # the first few
+    # Every worker of the run: "killed" (SIGKILL, by the scenario) or its exit code (None: had to be
+    # killed after not stopping in time).
+    worker_exits: dict[str, int | str | None] = field(default_factory=dict)
+
+    @property
+    def failed_exits(self) -> dict[str, int | str | None]:
+        """Workers that were not killed and did not exit 0."""
+        return {name: code for name, code in self.worker_exits.items() if code not in ("killed", 0)}
 
     @property
     def ok(self) -> bool:
-        return self.lost == 0
+        return self.lost == 0 and not self.failed_exits and not self.unexpected_exits
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -113,10 +132,13 @@ class ChaosReport:
                 ("drain", f"{seconds(self.drain_s)} (last fault -> every job answered, commit lag 0)"),
                 ("first Result", f"{seconds(self.first_result_s)} after the last fault"),
                 ("commit lag", "-" if self.commit_lag is None else str(self.commit_lag)),
-                ("worker exits", ", ".join(f"{n}: {c}" for n, c in self.unexpected_exits) or "none unexpected")]
+                ("worker exits", ", ".join(f"{n}: {c}" for n, c in self.worker_exits.items()) or "-"),
+                ("unexpected exits", ", ".join(f"{n}: {c}" for n, c in [*self.unexpected_exits,
+                                                                      *self.failed_exits.items()]) or "none")]
         rows += [(k.replace("_", " "), _fmt(v)) for k, v in self.details.items()]
         width = max(len(k) for k, _ in rows)
-        head = f"chaos {self.scenario}: {self.jobs} jobs -> {'OK' if self.ok else 'JOBS LOST'}"
+        verdict = "OK" if self.ok else "JOBS LOST" if self.lost else "WORKER FAILED"
+        head = f"chaos {self.scenario}: {self.jobs} jobs -> {verdict}"
         return "\n".join([head, *(f"  {k:<{width}}  {v}" for k, v in rows)])
 
 
@@ -180,7 +202,9 @@ async def _kill(run: Run) -> tuple[float, dict]:
     c = run.config
     await run.start_workers(c.workers)
     await run.ledger.produce(run.jobs)
-    kills = []
+    kills, restarts = [], []
+    # Restarts go after evenly spread kills: with 6 kills and 1 restart, after the third.
+    restart_after = {round((r + 1) * c.kills / (c.broker_restarts + 1)) for r in range(c.broker_restarts)}
     for k in range(c.kills):
         target = len(run.jobs) * (k + 1) // (c.kills + 1)
         await run.until(f"{target} Results", lambda t=target: run.ledger.answered() >= t)
@@ -188,7 +212,16 @@ async def _kill(run: Run) -> tuple[float, dict]:
         d = await run.fleet.depart(victim, "SIGKILL")
         kills.append({"worker": d.worker, "uncommitted": d.uncommitted, "answered_before": run.ledger.answered()})
         run.fleet.start()  # its replacement joins when ready
-    return time.monotonic(), {"kills": kills}
+        if k + 1 in restart_after:
+            t0 = time.monotonic()
+            await run.broker.stop()
+            await run.broker.start()
+            restarts.append({"after_kill": k + 1, "answered_before": run.ledger.answered(),
+                             "restart_s": round(time.monotonic() - t0, 1)})
+    details: dict = {"kills": kills}
+    if restarts:
+        details["broker_restarts"] = restarts
+    return time.monotonic(), details
 
 
 async def _broker_away(run: Run, away_s: float) -> tuple[float, dict]:
@@ -344,7 +377,7 @@ async def run_scenario(config: ChaosConfig, broker: Broker | None = None) -> Cha
     try:
         if broker is None:
             broker = Broker.given(config.bootstrap) if config.bootstrap else await Broker.start_local(work_dir)
-        if config.scenario in NEEDS_OWN_BROKER and not broker.can_restart:
+        if (config.scenario in NEEDS_OWN_BROKER or config.broker_restarts) and not broker.can_restart:
             raise ValueError(f"{config.scenario} needs a broker it can stop and start")
         topics = await ChaosTopics.create(broker.bootstrap, config.partitions)
         ledger = Ledger(broker.bootstrap, topics)
@@ -372,7 +405,8 @@ async def run_scenario(config: ChaosConfig, broker: Broker | None = None) -> Cha
             not_ok=ledger.not_ok(), drain_s=drained_at - last_fault if drained else None, commit_lag=lag,
             duplicate_bound=bound, duplicate_bound_departed=bound_departed,
             first_result_s=None if first is None else first - last_fault,
-            unexpected_exits=fleet.unexpected_exits, exit_codes=exit_codes, details=details, lost_ids=lost[:10])
+            unexpected_exits=fleet.unexpected_exits, exit_codes=exit_codes, details=details, lost_ids=lost[:10],
+            worker_exits=fleet.exits())
     finally:
         for task in tasks:
             task.cancel()

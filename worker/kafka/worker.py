@@ -34,7 +34,10 @@ committed, the rest is aborted and left for the new owner; anything of it that c
 carries a stale epoch and is dropped.
 
 The broker away: at start, the clients are started once a broker answers, waiting up to
---broker-wait-timeout (retry.py's BrokerWait; then exit code 5 with the reason). While running,
+--broker-wait-timeout (retry.py's BrokerWait; then exit code 5 with the reason); each try is a
+new client. The consumer connects first and joins the group after, with the patience a
+rebalance needs (the session timeout plus the rebalance timeout) before that counts as an
+outage; /readyz says "joining" meanwhile. While running,
 broker_watch.py's probe marks the worker not ready and pauses intake during an outage, however
 long; the engine and everything in flight are kept, answers wait in the publisher's retries.
 
@@ -225,25 +228,35 @@ class KafkaWorker:
     async def _run_kafka(self, loop: asyncio.AbstractEventLoop, engine: Engine) -> None:
         s = self.s
         wait = BrokerWait(s.bootstrap_servers, s.broker_wait_timeout_s, self._stop, self.log, tick=self.health.tick)
+        client_kwargs = s.security.aiokafka_kwargs()
+        started = partial(start_checked, bootstrap_servers=s.bootstrap_servers, client_kwargs=client_kwargs)
         try:
             # The producer's request and batch sizes follow the output topics' limits (sizing.py).
-            if not await wait.start(self._read_limits, "admin client"):
+            if await wait.call(self._read_limits, "admin client") is None:
                 return
-            self.producer = clients.new_producer(s, self.limits, on_switch=self._on_plain_producer)
-            start_producer = partial(start_checked, self.producer, s.bootstrap_servers, s.security.aiokafka_kwargs())
-            if not await wait.start(start_producer, "producer"):
+            producer = await wait.start(
+                partial(clients.new_producer, s, self.limits, on_switch=self._on_plain_producer), "producer", started)
+            if producer is None:
                 return  # asked to stop while waiting for the broker
+            self.producer = producer
             # Every topic this principal may not describe, named at once with the ACL it needs.
             await check_topic_access(self.producer.client, {s.jobs_topic: "READ", s.results_topic: "WRITE",
                                                             s.tokens_topic: "WRITE", s.dlq_topic: "WRITE"})
             self.tokens = TokenStream(self.producer, s.tokens_topic, on_retry=self._on_publish_retry,
                                       max_bytes=self.limits.of(s.tokens_topic), on_dropped=self._on_token_dropped)
             self.tokens.start()
-            self.consumer = clients.new_consumer(s)
+            # Started before it subscribes, so that its start is the connection only: the join
+            # comes after, with the patience a rebalance needs (retry.py).
+            consumer = await wait.start(partial(clients.new_consumer, s), "consumer", started)
+            if consumer is None:
+                return
+            self.consumer = consumer
             self._assemble(loop, engine)
             self.consumer.subscribe([s.jobs_topic], listener=self.rebalance)
-            if not await wait.start(self.consumer.start, "consumer"):
+            self.health.joining_since = time.monotonic()
+            if not await wait.join(lambda: self.health.group_joined, s.rebalance_allowance_s()):
                 return
+            self.health.joining_since = None
             tasks = [self._spawn(self.fetcher.run(), "poll"), self._spawn(self.commits.run(), "commit"),
                      self._spawn(self._look_up_dlq_partitions(), "dlq-partitions"),
                      self._spawn(self.broker_watch.run(), "broker-watch")]
@@ -424,9 +437,11 @@ class KafkaWorker:
             self.log.warning("TokenEvent dropped; the stream has a gap, the Result is whole", job_id=job_id,
                              reason=reason, error=repr(error) if error else None, dropped_so_far=dropped)
 
-    async def _read_limits(self) -> None:
+    async def _read_limits(self) -> TopicLimits:
+        """One try with a new admin client (read_topic_limits makes and closes its own)."""
         self.limits = await clients.read_topic_limits(self.s, self.log)
         self.log.info("output topic size limits", max_message_bytes=self.limits.by_topic)
+        return self.limits
 
 
 def _job_priority(job: InFlightJob) -> int:

@@ -2,17 +2,19 @@
 
 Starts a local Kafka (or uses --bootstrap-servers), fresh topics and `tokenmill worker`
 processes, sends --jobs small jobs and injects the scenario's faults: `kill` (SIGKILL workers
-mid-run), `broker-restart`, `outage` (the broker away for --outage-seconds) or `rebalance-storm`
+mid-run, with --broker-restarts the broker restarted between the kills), `broker-restart`, `outage` (the broker away for --outage-seconds) or `rebalance-storm`
 (workers joining and leaving every --step-seconds through the sizes of --schedule). Prints the
 jobs lost, duplicated and not ok, the time to drain and the bound on duplicates; --json writes
-the report. Exit 0 when nothing was lost, 1 when a job has no Result, 2 for bad arguments.
+the report, with every worker's exit (killed, or its exit code). Exit 0 when nothing was lost
+and every worker that was not killed exited 0; 1 when a job has no Result or such a worker
+failed; 2 for bad arguments.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from worker.cli.engine_options import non_negative_float, positive_int
+from worker.cli.engine_options import non_negative_float, non_negative_int, positive_int
 
 HELP = "run a fault scenario (kill, broker-restart, outage, rebalance-storm) and report lost and duplicated jobs"
 
@@ -39,6 +41,8 @@ def register(subparsers) -> None:
     p.add_argument("--partitions", type=positive_int, default=8, help="partitions of the jobs topic (default 8)")
     p.add_argument("--max-tokens", type=positive_int, default=8, help="output tokens per job (default 8)")
     p.add_argument("--kills", type=positive_int, default=3, help="kill: how many SIGKILLs (default 3)")
+    p.add_argument("--broker-restarts", type=non_negative_int, default=0,
+                   help="kill: also restart the broker this many times, between the kills (default 0)")
     p.add_argument("--outage-seconds", type=non_negative_float, default=120.0,
                    help="outage: how long the broker stays away (default 120)")
     p.add_argument("--schedule", type=_sizes, default=(1, 4, 1, 3),
@@ -69,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
     config = ChaosConfig(
         scenario=args.scenario, jobs=args.jobs, workers=args.workers, model=args.model,
         bootstrap=args.bootstrap_servers, partitions=args.partitions, max_tokens=args.max_tokens, kills=args.kills,
+        broker_restarts=args.broker_restarts,
         outage_s=args.outage_seconds, schedule=args.schedule, step_s=args.step_seconds,
         drain_timeout_s=args.drain_timeout, worker_args=args.worker_args,
         work_dir=Path(args.work_dir) if args.work_dir else None, seed=args.seed,
