@@ -3,7 +3,7 @@
 PY := .venv/bin/python
 export OMP_WAIT_POLICY := PASSIVE
 
-.PHONY: setup demo test lint kafka-jars
+.PHONY: setup demo test test-quick lint lock kafka-jars
 
 setup:
 	@./scripts/bootstrap.sh
@@ -19,3 +19,8 @@ test: setup kafka-jars
 
 lint: setup
 	.venv/bin/ruff check .
+
+# Regenerate requirements.lock from pyproject.toml's ranges (the newest versions each allows).
+lock: setup
+	.venv/bin/uv pip compile pyproject.toml --extra dev --extra eval --python-version 3.11 \
+		--python-platform x86_64-manylinux_2_28 --no-header -o requirements.lock

@@ -1,1 +1,20 @@
-"""Triton kernels for tokenmill, each with a plain-torch reference beside it."""
+"""Triton kernels for tokenmill (`tokenmill.kernels`), each with a plain-torch reference beside it."""
+
+if __name__ == "kernels":
+    # In a checkout the repository root is on sys.path (pytest, `python -m` from the root), so this
+    # folder is also found under the top-level name `kernels`, which is Hugging Face's package
+    # (transformers imports it). Importing that name then gives Hugging Face's package where it is
+    # installed (this module puts it in its own place in sys.modules, which the import system
+    # returns); where it is not, an empty stand-in, which transformers never asks for.
+    import importlib.machinery
+    import importlib.util
+    import os
+    import sys
+
+    _checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    _spec = importlib.machinery.PathFinder.find_spec(
+        "kernels", [p for p in sys.path if os.path.abspath(p or os.curdir) != _checkout])
+    if _spec is not None and _spec.loader is not None:
+        _module = importlib.util.module_from_spec(_spec)
+        sys.modules["kernels"] = _module
+        _spec.loader.exec_module(_module)

@@ -14,11 +14,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.kv_write import kv_write, kv_write_ref
-from kernels.paged_attention import paged_attention, paged_attention_ref
-from kernels.rmsnorm import rms_norm, rms_norm_ref
-from kernels.rotary import rope_cos_sin_cache, rotary_embedding, rotary_embedding_ref
-from kernels.silu_mul import silu_mul, silu_mul_ref
+from tokenmill.kernels.kv_write import kv_write, kv_write_ref
+from tokenmill.kernels.paged_attention import paged_attention, paged_attention_ref
+from tokenmill.kernels.rmsnorm import rms_norm, rms_norm_ref
+from tokenmill.kernels.rotary import rope_cos_sin_cache, rotary_embedding, rotary_embedding_ref
+from tokenmill.kernels.silu_mul import silu_mul, silu_mul_ref
 
 # Max error allowed against the fp32 reference, measured as |out - ref| / max(1, |ref|) per element:
 # absolute for the O(1) values attention produces, relative for the larger ones an MLP can.

@@ -80,12 +80,12 @@ def record_launches(quick: bool = False) -> list[Launch]:
     """Run each wrapper on small CPU tensors with every kernel replaced by a recorder."""
     import torch
 
-    import kernels.kv_write as kv_mod
-    import kernels.paged_attention as pa_mod
-    import kernels.rmsnorm as rms_mod
-    import kernels.rotary as rot_mod
-    import kernels.silu_mul as silu_mod
-    from kernels.checks import AttentionCase, make_attention_inputs
+    import tokenmill.kernels.kv_write as kv_mod
+    import tokenmill.kernels.paged_attention as pa_mod
+    import tokenmill.kernels.rmsnorm as rms_mod
+    import tokenmill.kernels.rotary as rot_mod
+    import tokenmill.kernels.silu_mul as silu_mod
+    from tokenmill.kernels.checks import AttentionCase, make_attention_inputs
 
     launches: list[Launch] = []
     patched = [

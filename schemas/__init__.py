@@ -5,7 +5,7 @@ The JSON Schema files in ``schemas/json/`` are exported from these models
 (``python -m schemas.export``); a test fails when they drift.
 """
 
-from schemas.constants import (
+from tokenmill.schemas.constants import (
     DEAD_LETTER_HEADERS,
     ERROR_CODES,
     ERROR_CRASHED_WORKER,
@@ -34,17 +34,23 @@ from schemas.constants import (
     STOP_MAX_STRINGS,
     dead_letter_headers,
 )
-from schemas.decode import InputLine, decode_job, is_openai_batch_line, parse_input_line, read_input_line
-from schemas.errors import JobDecodeError, format_validation_error
-from schemas.job import Job, Message, Sampling, StructuredOutputs
-from schemas.openai_batch import (
+from tokenmill.schemas.decode import (
+    InputLine,
+    decode_job,
+    is_openai_batch_line,
+    parse_input_line,
+    read_input_line,
+)
+from tokenmill.schemas.errors import JobDecodeError, format_validation_error
+from tokenmill.schemas.job import Job, Message, Sampling, StructuredOutputs
+from tokenmill.schemas.openai_batch import (
     CHAT_COMPLETIONS_URL,
     COMPLETIONS_URL,
     job_from_openai_batch_line,
     openai_batch_output_line,
     openai_output_refusal,
 )
-from schemas.records import (
+from tokenmill.schemas.records import (
     Choice,
     ErrorInfo,
     PromptLogprob,

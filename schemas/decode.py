@@ -22,9 +22,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from schemas.constants import JOB_ID_MAX_CHARS
-from schemas.errors import JobDecodeError, format_validation_error
-from schemas.job import Job
+from tokenmill.schemas.constants import JOB_ID_MAX_CHARS
+from tokenmill.schemas.errors import JobDecodeError, format_validation_error
+from tokenmill.schemas.job import Job
 
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
@@ -180,7 +180,7 @@ class InputLine:
 
 def read_input_line(raw: bytes | bytearray | memoryview | str) -> InputLine:
     """A Job line or an OpenAI batch line -> InputLine. Raises only JobDecodeError."""
-    from schemas.openai_batch import job_from_openai_batch_line
+    from tokenmill.schemas.openai_batch import job_from_openai_batch_line
 
     obj = load_json(raw)
     if is_openai_batch_line(obj):

@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from schemas.constants import ERROR_CODES, ERROR_INVALID_JOB
+from tokenmill.schemas.constants import ERROR_CODES, ERROR_INVALID_JOB
 
 # A record with thousands of bad items (a list of 10^6 strings as token ids) would otherwise
 # give a message of megabytes.

@@ -20,8 +20,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from schemas.job import Job
-from schemas.records import Result, TokenEvent
+from tokenmill.schemas.job import Job
+from tokenmill.schemas.records import Result, TokenEvent
 
 JSON_DIR = Path(__file__).parent / "json"
 DIALECT = "https://json-schema.org/draft/2020-12/schema"

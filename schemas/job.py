@@ -23,7 +23,7 @@ from pydantic import (
 )
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
-from schemas.constants import (
+from tokenmill.schemas.constants import (
     INT64_MAX,
     INT64_MIN,
     JOB_ID_MAX_CHARS,
@@ -133,7 +133,7 @@ class StructuredOutputs(StrictModel):
         except ValidationError:
             raise ValueError("must be a JSON Schema object or its JSON text") from None
         if isinstance(value, str):
-            from schemas.decode import load_json  # decode imports this module
+            from tokenmill.schemas.decode import load_json  # decode imports this module
 
             try:
                 schema = load_json(value, id_of=lambda _: None)

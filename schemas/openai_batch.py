@@ -32,7 +32,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from schemas.constants import (
+from tokenmill.schemas.constants import (
     ERROR_CRASHED_WORKER,
     ERROR_INTERNAL,
     ERROR_RESULT_TOO_LARGE,
@@ -40,10 +40,10 @@ from schemas.constants import (
     STATUS_EXPIRED,
     STATUS_OK,
 )
-from schemas.decode import load_json, readable_id
-from schemas.errors import JobDecodeError, format_validation_error
-from schemas.job import Job
-from schemas.records import Choice, PromptLogprob, Result, TokenLogprob
+from tokenmill.schemas.decode import load_json, readable_id
+from tokenmill.schemas.errors import JobDecodeError, format_validation_error
+from tokenmill.schemas.job import Job
+from tokenmill.schemas.records import Choice, PromptLogprob, Result, TokenLogprob
 
 CHAT_COMPLETIONS_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"

@@ -18,14 +18,14 @@ from pydantic import (
     model_validator,
 )
 
-from schemas.constants import (
+from tokenmill.schemas.constants import (
     STATUS_ERROR,
     STATUS_OK,
     ErrorCode,
     FinishReasonName,
     Status,
 )
-from schemas.job import Count, FiniteFloat, JobId, TokenId
+from tokenmill.schemas.job import Count, FiniteFloat, JobId, TokenId
 
 NonNegativeMs = Annotated[FiniteFloat, Field(ge=0)]
 

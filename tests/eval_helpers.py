@@ -16,7 +16,7 @@ TASKS = ("tokenmill_mc", "tokenmill_ppl", "tokenmill_gen")
 def task_manager() -> Any:
     from lm_eval.tasks import TaskManager
 
-    from worker.eval import TASKS_DIR
+    from tokenmill.eval import TASKS_DIR
 
     return TaskManager(include_path=str(TASKS_DIR), include_defaults=False)  # lm-eval's own tasks: not needed
 
@@ -38,9 +38,9 @@ def hf_lm(model_dir: str | Path, max_length: int | None = None) -> Any:
 def tokenmill_lm(model_dir: str | Path, **engine: Any) -> tuple[Any, Any]:
     """(TokenmillLM, its LocalJobRunner) on a float32 CPU engine with the given settings (a KV
     cache of 0.5 GiB unless given: SmolLM2's full window, and quicker to set up than the default)."""
-    from worker.engine.config import EngineConfig
-    from worker.eval.lm import TokenmillLM
-    from worker.eval.local_runner import LocalJobRunner
+    from tokenmill.engine.config import EngineConfig
+    from tokenmill.eval.lm import TokenmillLM
+    from tokenmill.eval.local_runner import LocalJobRunner
 
     engine.setdefault("kv_cache_gb", 0.5)
     config = EngineConfig(model=str(model_dir), dtype="float32", device="cpu", **engine)
@@ -51,8 +51,8 @@ def tokenmill_lm(model_dir: str | Path, **engine: Any) -> tuple[Any, Any]:
 
 def kv_gb(model_dir: str | Path, num_blocks: int, block_size: int = 16) -> float:
     """The kv_cache_gb that gives the engine ``num_blocks`` KV blocks of this model."""
-    from worker.engine.model_config import load_model_config
-    from worker.engine.model_runner import ModelRunner
+    from tokenmill.engine.model_config import load_model_config
+    from tokenmill.engine.model_runner import ModelRunner
 
     mc = load_model_config(model_dir, "float32")
     bytes_per_block = ModelRunner.kv_bytes_per_block(mc.num_layers, mc.num_kv_heads, mc.head_dim, mc.dtype,

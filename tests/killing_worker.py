@@ -16,7 +16,7 @@ import sys
 
 
 def install(ran_file: str, prompt: str) -> None:
-    from worker.engine.engine import Engine
+    from tokenmill.engine.engine import Engine
 
     real_add, real_step = Engine.add, Engine.step
     doomed: set[str] = set()
@@ -42,7 +42,7 @@ def install(ran_file: str, prompt: str) -> None:
 def main(argv: list[str]) -> int:
     ran_file, prompt, *worker_argv = argv
     install(ran_file, prompt)
-    from worker.cli import main as tokenmill
+    from tokenmill.cli import main as tokenmill
 
     return tokenmill(worker_argv)
 

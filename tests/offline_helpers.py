@@ -2,7 +2,7 @@
 
 from types import SimpleNamespace
 
-from worker.engine.types import FinishReason, RequestDelta, TokenLogprob, Usage
+from tokenmill.engine.types import FinishReason, RequestDelta, TokenLogprob, Usage
 
 
 class ScriptedEngine:

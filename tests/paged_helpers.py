@@ -7,7 +7,7 @@ import random
 
 import torch
 
-from worker.engine.attention import AttentionMetadata
+from tokenmill.engine.attention import AttentionMetadata
 
 
 class PagedKV:

@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from tools.structured_workload import whitespace_runs  # noqa: F401 (the tests import it from here)
-from worker.engine.types import EngineRequest, FinishReason, SamplingParams, StructuredOutputsParams
+from tokenmill.engine.types import EngineRequest, FinishReason, SamplingParams, StructuredOutputsParams
+from tokenmill.tools.structured_workload import whitespace_runs  # noqa: F401 (the tests import it from here)
 
 # -- model, tokenizers -------------------------------------------------------------------------------
 
@@ -45,7 +45,7 @@ def hf_tokenizer(model_dir: str):
 @functools.lru_cache(maxsize=4)
 def model_shape(model_dir: str) -> tuple[int, list[int]]:
     """(vocabulary size of the LM head, EOS ids) as the engine reads them."""
-    from worker.engine.model_config import load_model_config
+    from tokenmill.engine.model_config import load_model_config
 
     mc = load_model_config(Path(model_dir))
     return mc.vocab_size, list(mc.eos_token_ids)
@@ -62,8 +62,8 @@ def ll_tokenizer(model_dir: str):
 
 def kv_gb_for_blocks(model_dir, num_blocks: int, block_size: int = 16) -> float:
     """A KV cache size in GiB that gives the engine exactly `num_blocks` blocks (fp32)."""
-    from worker.engine.model_config import load_model_config
-    from worker.engine.model_runner import ModelRunner
+    from tokenmill.engine.model_config import load_model_config
+    from tokenmill.engine.model_runner import ModelRunner
 
     mc = load_model_config(Path(model_dir), "float32")
     per_block = ModelRunner.kv_bytes_per_block(mc.num_layers, mc.num_kv_heads, mc.head_dim, mc.dtype, block_size)

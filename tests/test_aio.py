@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from worker.aio import wait_event, within
+from tokenmill.aio import wait_event, within
 
 
 async def _loop_survives_a_cancel_racing_its_wake(wait) -> bool:

@@ -5,9 +5,14 @@ import random
 import pytest
 import torch
 
-from worker.engine import c_build
-from worker.engine.attention import AttentionMetadata, cpu_decode_kernel, get_attention_backend, torch_backend
-from worker.engine.attention.torch_backend import TorchAttentionBackend, build_plan
+from tokenmill.engine import c_build
+from tokenmill.engine.attention import (
+    AttentionMetadata,
+    cpu_decode_kernel,
+    get_attention_backend,
+    torch_backend,
+)
+from tokenmill.engine.attention.torch_backend import TorchAttentionBackend, build_plan
 
 # Both decode paths: the C kernel (fp32 on CPU, built on first use) and plain torch.
 PATHS = [pytest.param(True, id="c-kernel"), pytest.param(False, id="torch")]

@@ -17,10 +17,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tools.backfill import BackfillConfig, JobSpec, run_backfill_sync
-from tools.backfill.datasets import DatasetError, count_rows, detect_format, iter_rows
-from tools.backfill.identity import fingerprint, job_id_for
-from tools.backfill.jobs import RowError
+from tokenmill.tools.backfill import BackfillConfig, JobSpec, run_backfill_sync
+from tokenmill.tools.backfill.datasets import DatasetError, count_rows, detect_format, iter_rows
+from tokenmill.tools.backfill.identity import fingerprint, job_id_for
+from tokenmill.tools.backfill.jobs import RowError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -176,7 +176,7 @@ def test_s3_parquet_backfill_killed_halfway_then_resumed(tmp_path, tiny_llama_di
     inp, out = f"s3://{s3_bucket}/datasets/questions.parquet", f"s3://{s3_bucket}/outputs/answers.parquet"
     state = tmp_path / "state.sqlite"
     cmd = [
-        sys.executable, "-m", "worker.cli", "backfill", "--engine", "local", "--model", str(tiny_llama_dir),
+        sys.executable, "-m", "tokenmill.cli", "backfill", "--engine", "local", "--model", str(tiny_llama_dir),
         "--input", inp, "--output", out, "--state", str(state), "--prompt-template", "Answer: {text}",
         "--key-column", "id", "--max-tokens", "6", "--temperature", "0", "--max-in-flight", "4", "--no-progress",
     ]
@@ -211,7 +211,7 @@ def test_s3_parquet_backfill_killed_halfway_then_resumed(tmp_path, tiny_llama_di
 
 
 def test_cli_csv_messages_column_to_local_parquet(tmp_path, tiny_llama_dir, capsys):
-    from worker.cli import main
+    from tokenmill.cli import main
 
     path = tmp_path / "chats.csv"
     with open(path, "w", newline="") as f:
@@ -249,7 +249,7 @@ LABEL_SCHEMA = {
 
 
 def test_cli_refuses_bad_constraint_options_before_anything_runs(tmp_path, capsys):
-    from worker.cli import main
+    from tokenmill.cli import main
 
     inp = _write_jsonl(tmp_path / "in.jsonl", _rows(2))
     (tmp_path / "schema.json").write_text(json.dumps(LABEL_SCHEMA))
@@ -280,7 +280,7 @@ def test_cli_refuses_bad_constraint_options_before_anything_runs(tmp_path, capsy
 def test_local_backfill_with_a_json_schema_or_choices_fills_the_parsed_column(tmp_path, tiny_llama_dir, capsys):
     """Every row whose output ended with finish_reason stop has a parsed value that validates
     (or is one of the choices); a row cut by max_tokens gets null there and keeps its raw text."""
-    from worker.cli import main
+    from tokenmill.cli import main
 
     inp = _write_jsonl(tmp_path / "in.jsonl", _rows(6))
     schema = tmp_path / "label.json"

@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.worker_helpers import end_offsets, make_topics, start_worker_process, stop_process, worker_command
-from tools.backfill import BackfillConfig, JobSpec, run_backfill_sync
+from tokenmill.tools.backfill import BackfillConfig, JobSpec, run_backfill_sync
 
 pytestmark = pytest.mark.kafka
 REPO = Path(__file__).resolve().parents[1]
@@ -42,7 +42,7 @@ def test_kafka_backfill_s3_parquet_killed_resumed_and_rerun(kafka_bootstrap, tin
     worker = start_worker_process(worker_command(kafka_bootstrap, topics, str(tiny_llama_dir)), tmp_path / "worker.log")
     try:
         # First run, killed (SIGKILL, no clean-up at all) once some results are in.
-        cmd = [sys.executable, "-m", "worker.cli", "backfill", "--bootstrap-servers", kafka_bootstrap,
+        cmd = [sys.executable, "-m", "tokenmill.cli", "backfill", "--bootstrap-servers", kafka_bootstrap,
                "--input", inp, "--output", out, "--state", str(state), "--no-progress", *flags]
         proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

@@ -6,14 +6,14 @@ import json
 
 import pytest
 
-from schemas import Job
 from tests.offline_helpers import ScriptedEngine
-from tools.backfill import BackfillConfig, JobSpec
-from tools.backfill.kafka_backend import KafkaBackend
-from tools.backfill.local_backend import LocalBackend
-from tools.backfill.rows import PlannedRow, RowPlanner, jobs_for
-from tools.backfill.store import ResultStore
-from worker.offline import OfflineRunner
+from tokenmill.offline import OfflineRunner
+from tokenmill.schemas import Job
+from tokenmill.tools.backfill import BackfillConfig, JobSpec
+from tokenmill.tools.backfill.kafka_backend import KafkaBackend
+from tokenmill.tools.backfill.local_backend import LocalBackend
+from tokenmill.tools.backfill.rows import PlannedRow, RowPlanner, jobs_for
+from tokenmill.tools.backfill.store import ResultStore
 
 SPEC = JobSpec(prompt_template="Q: {text}", sampling={"max_tokens": 2}, metadata_columns=("id",))
 
@@ -120,7 +120,7 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"
 
 
 def test_the_constraint_options_build_structured_outputs_and_refuse_bad_input(tmp_path):
-    from tools.backfill.constraints import constraint_from_options, with_constraint
+    from tokenmill.tools.backfill.constraints import constraint_from_options, with_constraint
 
     schema = tmp_path / "person.json"
     schema.write_text(json.dumps(PERSON))
@@ -158,7 +158,7 @@ def test_the_constraint_is_part_of_the_job_identity():
     # The same constraint however written: a schema object and its text, an explicit default.
     assert fp({"json": PERSON}) == fp({"json": json.dumps(PERSON, indent=2)}) == fp({"json": PERSON, "whitespace": "compact"})
     # An unconstrained spec fingerprints as it did before the field existed.
-    from tools.backfill.jobs import _fingerprinted_sampling
+    from tokenmill.tools.backfill.jobs import _fingerprinted_sampling
 
     assert "structured_outputs" not in _fingerprinted_sampling({"max_tokens": 8})
     with pytest.raises(ValueError, match="structured_outputs"):
@@ -178,8 +178,8 @@ def _result(job_id, text, finish_reason="stop", status="ok"):
 def test_the_parsed_column_holds_the_value_or_null_in_jsonl_and_parquet(tmp_path):
     import pyarrow.parquet as pq
 
-    from tools.backfill.constraints import OutputParser
-    from tools.backfill.output import write_output
+    from tokenmill.tools.backfill.constraints import OutputParser
+    from tokenmill.tools.backfill.output import write_output
 
     store = ResultStore(tmp_path / "state.sqlite")
     rows = [_planned(i, {}) for i in range(4)]

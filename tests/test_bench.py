@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from worker.cli import main
+from tokenmill.cli import main
 
 FIELDS = {
     "workload", "model", "engine_output_tok_s", "baseline_output_tok_s", "ratio", "kv_slot_utilization_peak",

@@ -9,15 +9,15 @@ import json
 
 import pytest
 
-from tools.bench import run_bench
-from tools.bench_score import (
+from tokenmill.engine.model_config import load_model_config
+from tokenmill.tools.bench import run_bench
+from tokenmill.tools.bench_score import (
     CHOICES,
     LoglikelihoodMismatch,
     check_agreement,
     score_workload,
 )
-from tools.tiny_models import cached_tiny_model
-from worker.engine.model_config import load_model_config
+from tokenmill.tools.tiny_models import cached_tiny_model
 
 BLOCK = 16  # the engine's default block size
 SHAPE = {"context_len": (40, 56), "continuation_len": (3, 6)}
@@ -91,7 +91,7 @@ def test_the_agreement_check_fires_on_a_corrupted_loglikelihood():
 
 
 def test_the_bench_fails_when_the_engine_disagrees_with_transformers(monkeypatch):
-    import tools.bench_score as bench_score
+    import tokenmill.tools.bench_score as bench_score
 
     real = bench_score.run_engine_score
 
@@ -118,7 +118,7 @@ def test_bad_sizes_are_refused():
 
 
 def test_the_cli_runs_the_score_workload_and_writes_its_json(tmp_path, capsys):
-    from worker.cli import main
+    from tokenmill.cli import main
 
     out = tmp_path / "score.json"
     model = str(cached_tiny_model("test-llama"))
@@ -133,7 +133,7 @@ def test_the_cli_runs_the_score_workload_and_writes_its_json(tmp_path, capsys):
 
 
 def test_a_model_too_short_for_the_memory_prompt_runs_from_a_copy_that_allows_it(tmp_path, monkeypatch):
-    from tools.bench_score import _model_allowing
+    from tokenmill.tools.bench_score import _model_allowing
 
     source = cached_tiny_model("test-llama")  # 2,048 positions
     assert _model_allowing(source, 2048) == source

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from worker.engine.block_manager import BlockManager, BlockState, hash_block
+from tokenmill.engine.block_manager import BlockManager, BlockState, hash_block
 
 
 def state(tokens, salt=b""):

@@ -2,7 +2,7 @@
 
 import threading
 
-from worker.engine import c_build
+from tokenmill.engine import c_build
 
 
 def test_many_threads_asking_at_once_build_once_and_share_the_answer(monkeypatch):

@@ -8,8 +8,8 @@ import sys
 import pytest
 
 from tests.worker_helpers import REPO
-from tools.chaos.fleet import parse_metrics
-from tools.chaos.scenarios import ChaosConfig, ChaosReport, storm_sizes
+from tokenmill.tools.chaos.fleet import parse_metrics
+from tokenmill.tools.chaos.scenarios import ChaosConfig, ChaosReport, storm_sizes
 
 
 def test_a_storm_schedule_moves_one_worker_per_step():
@@ -56,7 +56,7 @@ def test_a_worker_that_was_not_killed_and_exits_non_zero_fails_the_run():
 
 
 def _chaos(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "worker.cli", "chaos", *args], cwd=REPO, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "tokenmill.cli", "chaos", *args], cwd=REPO, capture_output=True,
                           text=True, timeout=timeout)
 
 

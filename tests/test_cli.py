@@ -1,6 +1,6 @@
 import pytest
 
-from worker.cli import build_parser, env_var_for, main
+from tokenmill.cli import build_parser, env_var_for, main
 
 
 def test_env_var_name():

@@ -9,11 +9,11 @@ import torch
 from safetensors.torch import load_file
 
 from tests.paged_helpers import PagedKV, run_step
-from tools.smollm2 import cached_smollm2, smollm2_gguf_path
-from worker.cli import main
-from worker.engine.attention.torch_backend import TorchAttentionBackend
-from worker.engine.loader import load_model
-from worker.engine.tokenizer import encode_request, load_tokenizer
+from tokenmill.cli import main
+from tokenmill.engine.attention.torch_backend import TorchAttentionBackend
+from tokenmill.engine.loader import load_model
+from tokenmill.engine.tokenizer import encode_request, load_tokenizer
+from tokenmill.tools.smollm2 import cached_smollm2, smollm2_gguf_path
 
 
 @pytest.fixture(scope="module")

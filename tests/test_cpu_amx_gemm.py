@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from worker.engine import cpu_amx_gemm, cpu_gemm
+from tokenmill.engine import cpu_amx_gemm, cpu_gemm
 
 needs_amx = pytest.mark.skipif(not cpu_amx_gemm.available(), reason="this CPU has no AMX tiles (bf16)")
 
@@ -141,8 +141,8 @@ def test_the_layers_choice(monkeypatch, has_amx):
 def test_a_wide_model_on_amx_keeps_transformers_greedy_path(tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM
 
-    from tools.tiny_models import build_tiny_model
-    from worker.engine import Engine, EngineConfig, EngineRequest, SamplingParams
+    from tokenmill.engine import Engine, EngineConfig, EngineRequest, SamplingParams
+    from tokenmill.tools.tiny_models import build_tiny_model
 
     monkeypatch.delenv(cpu_gemm.LAYERS_ENV, raising=False)
     monkeypatch.delenv(cpu_amx_gemm.DISABLE_ENV, raising=False)
@@ -165,7 +165,7 @@ def test_a_wide_model_on_amx_keeps_transformers_greedy_path(tmp_path, monkeypatc
 
 @needs_amx
 def test_silu_mul_folded_into_the_split_is_as_accurate_as_torchs():
-    from worker.engine.layers import silu_and_mul
+    from tokenmill.engine.layers import silu_and_mul
 
     g = torch.Generator().manual_seed(6)
     gate_up = torch.randn(70, 2 * 200, generator=g) * 6

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from worker.engine.attention import AttentionMetadata, cpu_amx_prefill
-from worker.engine.attention.torch_backend import TorchAttentionBackend, build_plan
+from tokenmill.engine.attention import AttentionMetadata, cpu_amx_prefill
+from tokenmill.engine.attention.torch_backend import TorchAttentionBackend, build_plan
 
 needs_amx = pytest.mark.skipif(not cpu_amx_prefill.available(), reason="this CPU has no AMX tiles (bf16)")
 

@@ -6,9 +6,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from worker.engine import Engine, EngineConfig, EngineRequest, SamplingParams, cpu_amx_gemm, cpu_decode_layers
-from worker.engine.cpu_decode_layers import DecodeLayers
-from worker.engine.models.decoder import DecoderForCausalLM
+from tokenmill.engine import (
+    Engine,
+    EngineConfig,
+    EngineRequest,
+    SamplingParams,
+    cpu_amx_gemm,
+    cpu_decode_layers,
+)
+from tokenmill.engine.cpu_decode_layers import DecodeLayers
+from tokenmill.engine.models.decoder import DecoderForCausalLM
 
 needs_amx = pytest.mark.skipif(not cpu_amx_gemm.available(), reason="this CPU has no AMX tiles (bf16)")
 

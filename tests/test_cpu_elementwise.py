@@ -5,8 +5,8 @@ pass, at any row count and thread count."""
 import pytest
 import torch
 
-from worker.engine import cpu_elementwise
-from worker.engine.layers import apply_rotary, rms_norm
+from tokenmill.engine import cpu_elementwise
+from tokenmill.engine.layers import apply_rotary, rms_norm
 
 pytestmark = pytest.mark.skipif(cpu_elementwise._lib() is None, reason="no C compiler")
 
@@ -148,8 +148,8 @@ def test_the_fused_pass_refuses_what_it_cannot_take_and_writes_nothing(monkeypat
 def test_llama_outputs_are_the_same_with_the_fused_pass_off(tiny_llama_dir, monkeypatch):
     """Llama (no q/k norm) takes the fused rotary + K/V write in every layer: prefill rows, decode rows
     and the last layer's output rows give the same tokens and logprobs as the torch ops."""
-    from worker.engine import Engine, EngineConfig, EngineRequest, SamplingParams
-    from worker.engine.models import ops
+    from tokenmill.engine import Engine, EngineConfig, EngineRequest, SamplingParams
+    from tokenmill.engine.models import ops
 
     calls = []
     fused = ops.TorchOps.rotary_write_kv
@@ -194,7 +194,7 @@ def test_what_the_kernels_do_not_take_is_left_to_torch(monkeypatch):
 
 def test_engine_outputs_are_the_same_with_the_kernels_off(tiny_qwen3_dir, monkeypatch):
     """Qwen3 also normalises q and k per head before the rotary: the whole layer path end to end."""
-    from worker.engine import Engine, EngineConfig, EngineRequest, SamplingParams
+    from tokenmill.engine import Engine, EngineConfig, EngineRequest, SamplingParams
 
     gen = torch.Generator().manual_seed(11)
     prompts = [torch.randint(3, 2000, (n,), generator=gen).tolist() for n in (1, 17, 40, 90)]

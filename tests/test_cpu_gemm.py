@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from worker.engine import cpu_amx_gemm, cpu_gemm
-from worker.engine.attention.torch_backend import TorchAttentionBackend
-from worker.engine.loader import load_model
+from tokenmill.engine import cpu_amx_gemm, cpu_gemm
+from tokenmill.engine.attention.torch_backend import TorchAttentionBackend
+from tokenmill.engine.loader import load_model
 
 
 def _weights(out_features=96, in_features=80, seed=0):
@@ -128,7 +128,7 @@ def test_the_layers_choice_follows_the_hidden_size_and_the_switch(monkeypatch):
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
 def wide_model_dir(request, tmp_path_factory):
     """hidden 512: the smallest width whose projections run on oneDNN (qwen2 adds q/k/v biases)."""
-    from tools.tiny_models import build_tiny_model
+    from tokenmill.tools.tiny_models import build_tiny_model
 
     return build_tiny_model(
         tmp_path_factory.mktemp(f"wide-{request.param}"), request.param, seed=3, vocab_size=2048,
@@ -140,7 +140,7 @@ def wide_model_dir(request, tmp_path_factory):
 def test_a_wide_model_runs_its_projections_on_onednn_and_keeps_transformers_greedy_path(wide_model_dir, monkeypatch):
     from transformers import AutoModelForCausalLM
 
-    from worker.engine import Engine, EngineConfig, EngineRequest, SamplingParams
+    from tokenmill.engine import Engine, EngineConfig, EngineRequest, SamplingParams
 
     monkeypatch.delenv(cpu_gemm.LAYERS_ENV, raising=False)
     monkeypatch.setenv(cpu_amx_gemm.DISABLE_ENV, "0")  # a CPU with AMX would take that kernel instead

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from worker.engine import Engine, EngineConfig, EngineRequest, SamplingParams
-from worker.engine.cpu_step_parts import SLACK, StepPartPool, default_parts, plan_parts
+from tokenmill.engine import Engine, EngineConfig, EngineRequest, SamplingParams
+from tokenmill.engine.cpu_step_parts import SLACK, StepPartPool, default_parts, plan_parts
 
 
 def _work(n, seq_lens, weight):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from worker.engine.cpu_threads import cgroup_cpu_quota, resolve_cpu_threads
+from tokenmill.engine.cpu_threads import cgroup_cpu_quota, resolve_cpu_threads
 
 
 def _v2(tmp_path, text):
@@ -53,7 +53,7 @@ def test_unset_takes_torchs_count_capped_at_the_quota(current, quota, threads):
 
 
 def test_the_engine_sets_the_thread_count_it_is_given(tiny_llama_dir):
-    from worker.engine import Engine, EngineConfig
+    from tokenmill.engine import Engine, EngineConfig
 
     before = torch.get_num_threads()
     try:
@@ -67,6 +67,6 @@ def test_the_engine_sets_the_thread_count_it_is_given(tiny_llama_dir):
 
 def test_the_flag_is_refused_below_1():
     with pytest.raises(ValueError, match="cpu_threads"):
-        from worker.engine import EngineConfig
+        from tokenmill.engine import EngineConfig
 
         EngineConfig(model="m", cpu_threads=0)

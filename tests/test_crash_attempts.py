@@ -14,11 +14,10 @@ from aiokafka.errors import OffsetMetadataTooLargeError
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from schemas.decode import decode_job
 from tests.worker_helpers import FakeEngineThread
-from worker.engine.types import FinishReason, RequestDelta, Usage
-from worker.kafka.answers import AnswerContext
-from worker.kafka.attempts import (
+from tokenmill.engine.types import FinishReason, RequestDelta, Usage
+from tokenmill.kafka.answers import AnswerContext
+from tokenmill.kafka.attempts import (
     METADATA_BUDGET,
     AttemptCounts,
     AttemptsFormatError,
@@ -26,15 +25,16 @@ from worker.kafka.attempts import (
     encode_counts,
     read_committed,
 )
-from worker.kafka.delivery import AtLeastOnce, OffsetDone
-from worker.kafka.guard import BadInputGuard
-from worker.kafka.inflight import InFlight
-from worker.kafka.intake import Intake
-from worker.kafka.offsets import OffsetTracker
-from worker.kafka.starts import StartGate
-from worker.kafka.tenants import TenantLimiter
-from worker.kafka.types import Fetched, InFlightJob
-from worker.metrics import WorkerMetrics
+from tokenmill.kafka.delivery import AtLeastOnce, OffsetDone
+from tokenmill.kafka.guard import BadInputGuard
+from tokenmill.kafka.inflight import InFlight
+from tokenmill.kafka.intake import Intake
+from tokenmill.kafka.offsets import OffsetTracker
+from tokenmill.kafka.starts import StartGate
+from tokenmill.kafka.tenants import TenantLimiter
+from tokenmill.kafka.types import Fetched, InFlightJob
+from tokenmill.metrics import WorkerMetrics
+from tokenmill.schemas.decode import decode_job
 
 TP = TopicPartition("jobs", 0)
 LOG = structlog.get_logger("test")
@@ -313,7 +313,7 @@ async def test_the_counts_travel_with_a_group_commit_and_are_read_back_by_the_ne
 async def test_the_counts_travel_inside_an_exactly_once_transaction(kafka_bootstrap, new_topic):
     from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
-    from worker.kafka.transactions import PartitionTransactions
+    from tokenmill.kafka.transactions import PartitionTransactions
 
     topic = new_topic(partitions=1)
     tp = TopicPartition(topic, 0)

@@ -9,8 +9,8 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from tools.demo import EXTRACT_JOB_ID, PERSON_SCHEMA, check_extraction, extraction_job, sample_jobs
-from worker.storage.checkpoint import cache_root
+from tokenmill.storage.checkpoint import cache_root
+from tokenmill.tools.demo import EXTRACT_JOB_ID, PERSON_SCHEMA, check_extraction, extraction_job, sample_jobs
 
 pytestmark = pytest.mark.kafka
 REPO = Path(__file__).resolve().parents[1]
@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_sample_jobs_mix_chat_plain_and_streaming():
     jobs = sample_jobs(16, "m")
-    from schemas import Job
+    from tokenmill.schemas import Job
 
     parsed = [Job.model_validate(j) for j in jobs]
     assert len({j.job_id for j in parsed}) == len(parsed) >= 5
@@ -28,7 +28,7 @@ def test_sample_jobs_mix_chat_plain_and_streaming():
 
 
 def test_the_extraction_job_is_a_constrained_chat_job_and_its_check_refuses_bad_output():
-    from schemas import Job
+    from tokenmill.schemas import Job
 
     job = Job.model_validate(extraction_job("m"))
     assert job.job_id == EXTRACT_JOB_ID and job.messages and job.model == "m" and not job.stream
@@ -52,7 +52,7 @@ def test_demo_streams_tokens_prints_results_and_cleans_up(tiny_llama_dir):
     demo_root = cache_root() / "demo"
     before = set(demo_root.iterdir()) if demo_root.exists() else set()
     proc = subprocess.run(
-        [sys.executable, "-m", "worker.cli", "demo", "--model", str(tiny_llama_dir), "--max-tokens", "6",
+        [sys.executable, "-m", "tokenmill.cli", "demo", "--model", str(tiny_llama_dir), "--max-tokens", "6",
          "--timeout", "300"],
         cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600,
     )

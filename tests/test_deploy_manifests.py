@@ -169,7 +169,7 @@ def test_expected_manifest_files_exist(name):
 
 def test_every_tokenmill_setting_is_a_worker_flag():
     """A typo in a TOKENMILL_* name would be silently ignored by the worker: check each one."""
-    from worker.cli import build_parser, env_var_for
+    from tokenmill.cli import build_parser, env_var_for
 
     parser = build_parser()
     sub = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")

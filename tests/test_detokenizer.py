@@ -7,8 +7,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
-from tools.tiny_models import cached_tiny_model
-from worker.engine.detokenizer import IncrementalDetokenizer, find_first_stop
+from tokenmill.engine.detokenizer import IncrementalDetokenizer, find_first_stop
+from tokenmill.tools.tiny_models import cached_tiny_model
 
 TEXTS = [
     "Bonjour! Ça va? hello world",
@@ -399,7 +399,7 @@ _SMOLLM2 = {}
 
 def _smollm2_tokenizer():
     if "tok" not in _SMOLLM2:
-        from tools.smollm2 import cached_smollm2
+        from tokenmill.tools.smollm2 import cached_smollm2
 
         tok = AutoTokenizer.from_pretrained(cached_smollm2())
         backend = tok.backend_tokenizer

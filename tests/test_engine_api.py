@@ -4,8 +4,8 @@ import time
 
 import pytest
 
-from worker.engine import Engine, EngineConfig
-from worker.engine.types import EngineRequest, ErrorKind, FinishReason, SamplingParams
+from tokenmill.engine import Engine, EngineConfig
+from tokenmill.engine.types import EngineRequest, ErrorKind, FinishReason, SamplingParams
 
 
 @pytest.fixture(scope="module")

@@ -8,9 +8,9 @@ import dataclasses
 
 import pytest
 
-from worker.cli import _apply_env_defaults, build_parser, env_var_for
-from worker.cli.engine_options import ENGINE_GROUP_TITLE, add_engine_options, engine_kwargs, flag_of
-from worker.engine.config import EngineConfig
+from tokenmill.cli import _apply_env_defaults, build_parser, env_var_for
+from tokenmill.cli.engine_options import ENGINE_GROUP_TITLE, add_engine_options, engine_kwargs, flag_of
+from tokenmill.engine.config import EngineConfig
 
 # The commands that start an engine, and the fields whose flag the command spends on another
 # meaning (documented at the command).
@@ -118,5 +118,5 @@ def test_the_config_module_does_not_load_torch():
     import subprocess
     import sys
 
-    code = "import sys, worker.engine.config, worker.config; assert 'torch' not in sys.modules, 'torch loaded'"
+    code = "import sys, tokenmill.engine.config, tokenmill.config; assert 'torch' not in sys.modules, 'torch loaded'"
     subprocess.run([sys.executable, "-c", code], check=True)

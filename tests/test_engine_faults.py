@@ -15,8 +15,8 @@ import random
 
 import pytest
 
-from worker.engine import Engine, EngineConfig
-from worker.engine.types import EngineRequest, ErrorKind, FinishReason, SamplingParams
+from tokenmill.engine import Engine, EngineConfig
+from tokenmill.engine.types import EngineRequest, ErrorKind, FinishReason, SamplingParams
 
 NUM_REQUESTS = 10
 MAX_NUM_SEQS = 8
@@ -316,7 +316,7 @@ async def test_an_engine_exception_in_one_job_of_200_fails_only_that_job(kafka_b
 
 
 def test_blame_wraps_an_error_once_and_lets_the_rest_through():
-    from worker.engine.fault_isolation import StepFault, blame
+    from tokenmill.engine.fault_isolation import StepFault, blame
 
     suspects = ["a", "b"]
     with pytest.raises(StepFault) as caught:

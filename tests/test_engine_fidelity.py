@@ -11,10 +11,10 @@ import random
 import pytest
 import torch
 
-from tools.tiny_models import cached_tiny_model
-from worker.engine import Engine, EngineConfig
-from worker.engine.model_runner import ModelRunner
-from worker.engine.types import EngineRequest, FinishReason, SamplingParams
+from tokenmill.engine import Engine, EngineConfig
+from tokenmill.engine.model_runner import ModelRunner
+from tokenmill.engine.types import EngineRequest, FinishReason, SamplingParams
+from tokenmill.tools.tiny_models import cached_tiny_model
 
 NUM_PROMPTS = 32
 # "tiny-llama" (untied, vocab 32000) rather than the tied 64-wide test-llama: with random tied
@@ -24,7 +24,7 @@ PRESETS = {"llama": "tiny-llama", "qwen2": "test-qwen2", "qwen3": "test-qwen3", 
 
 def model_dir_for(arch):
     if arch == "smollm2":
-        from tools.smollm2 import cached_smollm2
+        from tokenmill.tools.smollm2 import cached_smollm2
 
         return cached_smollm2()
     return cached_tiny_model(PRESETS[arch])
@@ -60,7 +60,7 @@ def hf_reference(model_dir, prompts, max_new, eos=False):
 )
 def case(request):
     model_dir = model_dir_for(request.param)
-    from worker.engine.model_config import load_model_config
+    from tokenmill.engine.model_config import load_model_config
 
     vocab = load_model_config(model_dir).vocab_size
     # The real model (30 layers) gets shorter runs to keep the suite quick on 2 cores.
@@ -91,7 +91,7 @@ def outputs(results, prefix="r"):
 
 
 def kv_gb_for_blocks(engine_dir, num_blocks, block_size=16):
-    from worker.engine.model_config import load_model_config
+    from tokenmill.engine.model_config import load_model_config
 
     mc = load_model_config(engine_dir, "float32")
     per_block = ModelRunner.kv_bytes_per_block(mc.num_layers, mc.num_kv_heads, mc.head_dim, mc.dtype, block_size)

@@ -6,9 +6,9 @@ import asyncio
 
 import pytest
 
-from worker.engine import Engine, EngineConfig
-from worker.engine.types import EngineRequest, SamplingParams
-from worker.runtime.engine_thread import EngineThread
+from tokenmill.engine import Engine, EngineConfig
+from tokenmill.engine.types import EngineRequest, SamplingParams
+from tokenmill.runtime.engine_thread import EngineThread
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from worker.cli import main as tokenmill
+from tokenmill.cli import main as tokenmill
 
 TASKS = "tokenmill_mc,tokenmill_gen,tokenmill_ppl"
 LIMIT = 3
@@ -27,9 +27,9 @@ def in_process_metrics(model_dir) -> dict[str, dict[str, float]]:
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    from worker.eval import TASKS_DIR
-    from worker.eval.lm import TokenmillLM
-    from worker.eval.local_runner import LocalJobRunner
+    from tokenmill.eval import TASKS_DIR
+    from tokenmill.eval.lm import TokenmillLM
+    from tokenmill.eval.local_runner import LocalJobRunner
 
     runner = LocalJobRunner(model_dir)
     try:
@@ -115,7 +115,7 @@ def test_a_bad_limit_is_refused(limit, capsys):
 
 
 def test_a_fractional_limit_is_taken():
-    from worker.cli.commands.eval import limit_value
+    from tokenmill.cli.commands.eval import limit_value
 
     assert limit_value("0.25") == 0.25 and limit_value("7") == 7 and isinstance(limit_value("7.0"), int)
 
@@ -140,7 +140,7 @@ def test_a_missing_include_path_is_refused(capsys, tmp_path):
 
 
 def test_the_offline_variables_are_set_unless_the_user_set_them(monkeypatch):
-    from worker.cli.commands.eval import _set_offline
+    from tokenmill.cli.commands.eval import _set_offline
 
     monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")
@@ -153,8 +153,8 @@ def test_the_offline_variables_are_set_unless_the_user_set_them(monkeypatch):
 def test_fleet_scoring_jobs_of_one_context_share_a_partition_key():
     """The choices of one question go to one partition (one worker's prefix cache computes the
     context once); other questions and non-scoring jobs spread by job id."""
-    from schemas import Job
-    from worker.eval.kafka_runner import ContextKeyedBackend, KafkaSettings
+    from tokenmill.eval.kafka_runner import ContextKeyedBackend, KafkaSettings
+    from tokenmill.schemas import Job
 
     def scoring(job_id, context, continuation):
         return Job.model_validate({"job_id": job_id, "prompt_token_ids": context + continuation, "sampling": {
@@ -174,9 +174,9 @@ def test_eval_with_the_chat_template_equals_lm_eval_in_process(tiny_llama_dir, t
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    from worker.eval import TASKS_DIR
-    from worker.eval.lm import TokenmillLM
-    from worker.eval.local_runner import LocalJobRunner
+    from tokenmill.eval import TASKS_DIR
+    from tokenmill.eval.lm import TokenmillLM
+    from tokenmill.eval.local_runner import LocalJobRunner
 
     out = tmp_path / "chat.json"
     assert tokenmill(["eval", "--model", str(tiny_llama_dir), "--tasks", "tokenmill_mc", "--limit", "2",

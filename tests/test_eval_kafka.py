@@ -18,8 +18,8 @@ import pytest
 
 from tests.test_eval_cli import BOOTSTRAP, LIMIT, TASKS, in_process_metrics, metrics
 from tests.worker_helpers import end_offsets, make_topics, start_worker_process, stop_process, worker_command
-from worker.cli import main as tokenmill
-from worker.kafka.local_broker import free_port
+from tokenmill.cli import main as tokenmill
+from tokenmill.kafka.local_broker import free_port
 
 pytestmark = pytest.mark.kafka
 
@@ -213,15 +213,15 @@ def test_without_state_each_run_keeps_a_new_state_and_names_it(fleet, tmp_path, 
 
 
 def _runner(fleet, state, identity=None, **kw):
-    from tools.backfill.kafka_backend import KafkaSettings
-    from worker.eval.kafka_runner import KafkaJobRunner
+    from tokenmill.eval.kafka_runner import KafkaJobRunner
+    from tokenmill.tools.backfill.kafka_backend import KafkaSettings
 
     settings = KafkaSettings(fleet.bootstrap, fleet.topics.jobs, fleet.topics.results, {}, fleet.model_dir.name)
     return KafkaJobRunner(settings, state, identity or {"run": "plain jobs"}, **kw)
 
 
 def _jobs(runner, n: int, first_token: int = 5):
-    from schemas import Job, Sampling
+    from tokenmill.schemas import Job, Sampling
 
     return [Job(job_id=f"{runner.id_prefix}-gen-{i:07d}", prompt_token_ids=[first_token + i, 7, 9],
                 sampling=Sampling(max_tokens=2, temperature=0.0)) for i in range(n)]
@@ -229,7 +229,7 @@ def _jobs(runner, n: int, first_token: int = 5):
 
 def test_the_runner_reads_results_that_came_while_no_run_listened_and_keeps_the_first_of_two(fleet, tmp_path):
     from tests.worker_helpers import produce
-    from worker.eval.kafka_runner import EvalIncomplete, EvalStateMismatch
+    from tokenmill.eval.kafka_runner import EvalIncomplete, EvalStateMismatch
 
     state = tmp_path / "state.sqlite"
     worker, _, _ = fleet.procs["a"]

@@ -23,7 +23,6 @@ from types import SimpleNamespace
 
 import pytest
 
-from schemas import Job, Result  # noqa: E402
 from tests.eval_helpers import (  # noqa: E402
     evaluate,
     force_preemptions,
@@ -34,7 +33,8 @@ from tests.eval_helpers import (  # noqa: E402
     task_requests,
     tokenmill_lm,
 )
-from tools.tiny_models import cached_tiny_model  # noqa: E402
+from tokenmill.schemas import Job, Result  # noqa: E402
+from tokenmill.tools.tiny_models import cached_tiny_model  # noqa: E402
 
 TOL = 1e-4
 DOC_REL_TOL = 1e-5
@@ -126,7 +126,7 @@ def test_the_tiny_window_truncates_prompts_and_rolls_documents(task_reqs):
 # SmolLM2 (135M parameters) on 2 CPU cores: about 100 s for the three tests below.
 @pytest.fixture(scope="module")
 def smollm2():
-    from tools.smollm2 import cached_smollm2
+    from tokenmill.tools.smollm2 import cached_smollm2
 
     return cached_smollm2()
 
@@ -204,7 +204,7 @@ def test_every_loglikelihood_equals_hflm_on_smollm2(smollm2, smollm2_evaluations
 # ---------------------------------------------------------------------- jobs and bad input
 @pytest.fixture(scope="module")
 def tokenizer():
-    from worker.engine.tokenizer import load_tokenizer
+    from tokenmill.engine.tokenizer import load_tokenizer
 
     return load_tokenizer(cached_tiny_model("test-llama"))
 
@@ -256,7 +256,7 @@ def request(*args):
 
 
 def make_lm(tokenizer, runner, **kw):
-    from worker.eval.lm import TokenmillLM
+    from tokenmill.eval.lm import TokenmillLM
 
     return TokenmillLM(tokenizer, runner, model_name="m", max_length=kw.pop("max_length", 64), **kw)
 
@@ -303,7 +303,7 @@ def test_a_missing_result_raises_naming_the_job(tokenizer):
 
 def test_a_request_the_engine_refuses_raises_with_its_job_id(task_reqs):
     """The real path: a window the engine does not have makes its Results errors, and they raise."""
-    from worker.eval.lm import TokenmillLM
+    from tokenmill.eval.lm import TokenmillLM
 
     _, runner = tokenmill_lm(cached_tiny_model("test-llama"), max_model_len=32)
     lm = TokenmillLM(runner.tokenizer, runner, model_name=runner.model_name, max_length=200)
@@ -379,7 +379,7 @@ def test_the_local_runner_refuses_duplicate_job_ids():
 
 
 def test_the_tasks_load_from_any_directory(tmp_path, monkeypatch):
-    from worker.eval import TASKS_DIR
+    from tokenmill.eval import TASKS_DIR
 
     monkeypatch.chdir(tmp_path)
     assert TASKS_DIR.is_absolute()
@@ -396,10 +396,10 @@ def test_the_task_files_ship_with_the_package():
     import tomllib
     from pathlib import Path
 
-    from worker.eval import TASKS_DIR
+    from tokenmill.eval import TASKS_DIR
 
     pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
-    patterns = pyproject["tool"]["setuptools"]["package-data"]["worker.eval"]
+    patterns = pyproject["tool"]["setuptools"]["package-data"]["tokenmill.eval"]
     files = [p.relative_to(TASKS_DIR.parent).as_posix() for p in TASKS_DIR.iterdir() if p.is_file()]
     assert len(files) >= 7
     assert [f for f in files if not any(fnmatch.fnmatch(f, pat) for pat in patterns)] == []
@@ -408,7 +408,7 @@ def test_the_task_files_ship_with_the_package():
 def test_tokenmill_is_an_lm_eval_model_name():
     from lm_eval.api.registry import get_model
 
-    from worker.eval.lm import TokenmillLM
+    from tokenmill.eval.lm import TokenmillLM
 
     assert get_model("tokenmill") is TokenmillLM
     model_dir = cached_tiny_model("test-llama")

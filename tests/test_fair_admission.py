@@ -8,7 +8,7 @@ from collections import deque
 
 import pytest
 
-from worker.kafka.tenants import TenantLimiter
+from tokenmill.kafka.tenants import TenantLimiter
 
 
 def _drain_order(lim: TenantLimiter, started: list, steps: int) -> list:
@@ -116,8 +116,8 @@ def test_the_stated_bound_holds_for_a_small_tenant_behind_a_big_backlog():
 
 
 def test_the_engine_bound_flag_and_its_default():
-    from worker.cli import build_parser
-    from worker.cli.commands.worker import settings_from_args
+    from tokenmill.cli import build_parser
+    from tokenmill.cli.commands.worker import settings_from_args
 
     def settings(*extra):
         return settings_from_args(build_parser().parse_args(

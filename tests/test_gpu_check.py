@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tools import gpu_check
-from tools.gpu_check import runner
+from tokenmill.tools import gpu_check
+from tokenmill.tools.gpu_check import runner
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 import torch
 
-from tools.tiny_models import cached_tiny_model
-from worker.cli.engine_options import add_engine_options, engine_kwargs
-from worker.engine import Engine, EngineConfig
-from worker.engine.cuda_graphs import capture_sizes
-from worker.engine.model_runner import ModelRunner, PinnedStaging
-from worker.engine.types import EngineRequest, FinishReason, SamplingParams
+from tokenmill.cli.engine_options import add_engine_options, engine_kwargs
+from tokenmill.engine import Engine, EngineConfig
+from tokenmill.engine.cuda_graphs import capture_sizes
+from tokenmill.engine.model_runner import ModelRunner, PinnedStaging
+from tokenmill.engine.types import EngineRequest, FinishReason, SamplingParams
+from tokenmill.tools.tiny_models import cached_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -66,7 +66,7 @@ def greedy_requests(prompts, max_new, prefix="r"):
 
 
 def kv_gb(model_dir, num_blocks, block_size):
-    from worker.engine.model_config import load_model_config
+    from tokenmill.engine.model_config import load_model_config
 
     mc = load_model_config(model_dir, "float32")
     return num_blocks * ModelRunner.kv_bytes_per_block(mc.num_layers, mc.num_kv_heads, mc.head_dim, mc.dtype, block_size) / 1024**3
@@ -118,7 +118,7 @@ def test_config_validates_the_gpu_path_modes(llama_dir):
 
 
 def test_cli_flags_reach_the_engine_config(monkeypatch):
-    from worker.cli import _apply_env_defaults
+    from tokenmill.cli import _apply_env_defaults
 
     parser = argparse.ArgumentParser()
     add_engine_options(parser, model_required=False)
@@ -207,7 +207,7 @@ def count_host_reads(monkeypatch):
 def use_accelerator_rotary_table(engine):
     """Build the rotary tables for every position up front, as on an accelerator: on the CPU they
     grow on demand, which reads the largest position of each step (a read a GPU never does)."""
-    from worker.engine.layers import RotaryEmbedding
+    from tokenmill.engine.layers import RotaryEmbedding
 
     ropes = [m for m in engine.model.modules() if isinstance(m, RotaryEmbedding)]
     assert ropes
@@ -283,8 +283,8 @@ def test_async_greedy_under_preemption_and_chunked_prefill(llama_dir, hf_greedy)
 def test_async_request_preempted_with_its_last_token_in_flight_finishes_from_the_queue(llama_dir, hf_greedy, monkeypatch):
     """A request preempted while its last token is in flight, whose token then finishes it, leaves
     from the waiting queue (found by search: 10 blocks, these prompts and lengths)."""
-    from worker.engine.request import RequestStatus
-    from worker.engine.scheduler import Scheduler
+    from tokenmill.engine.request import RequestStatus
+    from tokenmill.engine.scheduler import Scheduler
 
     removed_while_waiting = []
     original = Scheduler.finish_many
@@ -418,7 +418,7 @@ def test_requests_needing_host_history_make_steps_synchronous(llama_dir):
 
 
 def test_gpu_check_runs_the_gpu_path_and_reports_it(llama_dir):
-    from tools import gpu_check
+    from tokenmill.tools import gpu_check
 
     assert gpu_check.gpu_path_options("cuda:0") == dict(cuda_graphs="on", async_scheduling="on")
     options = gpu_check.gpu_path_options("cpu")
@@ -433,8 +433,8 @@ def test_gpu_check_runs_the_gpu_path_and_reports_it(llama_dir):
 
 
 def test_a_failed_capture_falls_back_only_when_graphs_were_chosen_by_auto(llama_dir, monkeypatch):
-    from worker.engine import engine as engine_module
-    from worker.engine.cuda_graphs import DecodeGraphRunner
+    from tokenmill.engine import engine as engine_module
+    from tokenmill.engine.cuda_graphs import DecodeGraphRunner
 
     def failing_capture(self):
         raise RuntimeError("operation not permitted when stream is capturing")

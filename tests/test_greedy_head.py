@@ -5,12 +5,12 @@ unchanged with it, and rows that need logits still get them."""
 import pytest
 import torch
 
-from worker.engine import Engine, EngineConfig, cpu_gemm, greedy_head
-from worker.engine.attention.torch_backend import TorchAttentionBackend
-from worker.engine.loader import load_model
-from worker.engine.model_runner import GreedyIds, ModelRunner
-from worker.engine.sampler import greedy_argmax
-from worker.engine.types import EngineRequest, SamplingParams
+from tokenmill.engine import Engine, EngineConfig, cpu_gemm, greedy_head
+from tokenmill.engine.attention.torch_backend import TorchAttentionBackend
+from tokenmill.engine.loader import load_model
+from tokenmill.engine.model_runner import GreedyIds, ModelRunner
+from tokenmill.engine.sampler import greedy_argmax
+from tokenmill.engine.types import EngineRequest, SamplingParams
 
 pytestmark = pytest.mark.skipif(
     not greedy_head.bf16_gemm_supported(), reason="this CPU has no bfloat16 GEMM in oneDNN (the screen is off)"

@@ -9,14 +9,14 @@ import textwrap
 
 import pytest
 
-from worker.engine.host_memory import skip_reason
+from tokenmill.engine.host_memory import skip_reason
 
 # Prefill-like steps of a small model: per layer a wide MLP activation and a narrower one, small
 # tensors in between, over chunks of varying length; then the minor page faults of a second pass.
 _STEPS = textwrap.dedent("""
     import resource, sys
     import torch
-    from worker.engine.host_memory import keep_freed_memory
+    from tokenmill.engine.host_memory import keep_freed_memory
     print(keep_freed_memory())
 
     def steps():
@@ -87,7 +87,7 @@ _HUGE = textwrap.dedent("""
     import os
     import sys
     import torch
-    from worker.engine.host_memory import large_tensors_on_huge_pages
+    from tokenmill.engine.host_memory import large_tensors_on_huge_pages
     if sys.argv[1] == "late":
         early = torch.ones(1 << 21)  # 8 MiB before the engine asks: torch has made its choice
     state = large_tensors_on_huge_pages()
@@ -133,13 +133,13 @@ def test_large_tensors_go_on_huge_pages_when_asked_in_time():
     ({"THP_MEM_ALLOC_ENABLE": "0"}, "THP_MEM_ALLOC_ENABLE=0 set by the user"),
 ])
 def test_a_users_own_huge_page_choice_is_left_alone(env, why):
-    from worker.engine.host_memory import huge_pages_skip_reason
+    from tokenmill.engine.host_memory import huge_pages_skip_reason
 
     assert huge_pages_skip_reason(env) == why
 
 
 def test_a_mistyped_huge_page_switch_is_an_error_not_the_default():
-    from worker.engine.host_memory import huge_pages_skip_reason
+    from tokenmill.engine.host_memory import huge_pages_skip_reason
 
     with pytest.raises(ValueError, match="TOKENMILL_HUGE_PAGES"):
         huge_pages_skip_reason({"TOKENMILL_HUGE_PAGES": "of"})

@@ -8,8 +8,7 @@ import sys
 
 import pytest
 
-from schemas import ERROR_CODES, Job, Result, Source, decode_job
-from worker.engine.types import (
+from tokenmill.engine.types import (
     ErrorKind,
     FinishReason,
     RequestDelta,
@@ -18,13 +17,14 @@ from worker.engine.types import (
     TokenLogprob,
     Usage,
 )
-from worker.job_mapping import (
+from tokenmill.job_mapping import (
     ENGINE_ERROR_CODES,
     build_result,
     error_result,
     job_to_engine_request,
     new_attempt_id,
 )
+from tokenmill.schemas import ERROR_CODES, Job, Result, Source, decode_job
 
 SAMPLING = {
     "max_tokens": 12,
@@ -187,7 +187,7 @@ def _bad_constraint_delta(request_id: str) -> RequestDelta:
 
 def test_an_invalid_constraint_is_dead_lettered_and_gets_its_error_result():
     from tests.test_worker_steps import _ctx, _job
-    from worker.kafka import answers
+    from tokenmill.kafka import answers
 
     job_ = _job(sampling=_BAD_CONSTRAINT)
     ans = answers.finished(job_, _bad_constraint_delta(job_.request_id), _ctx())
@@ -202,9 +202,9 @@ async def test_an_invalid_constraint_counts_as_bad_input_for_the_guard():
     import asyncio
 
     from tests.test_worker_steps import FakeTokens, _ctx, _inflight, _job
-    from worker.kafka.engine_output import EngineOutput
-    from worker.kafka.offsets import OffsetTracker
-    from worker.metrics import WorkerMetrics
+    from tokenmill.kafka.engine_output import EngineOutput
+    from tokenmill.kafka.offsets import OffsetTracker
+    from tokenmill.metrics import WorkerMetrics
 
     inflight, thread, _ = _inflight(cap=0)
     job_ = _job(sampling=_BAD_CONSTRAINT)
@@ -317,6 +317,6 @@ def test_attempt_ids_are_unique_and_name_the_worker():
 
 
 def test_imports_no_torch():
-    code = "import sys, worker.job_mapping; print('torch' in sys.modules, 'aiokafka' in sys.modules)"
+    code = "import sys, tokenmill.job_mapping; print('torch' in sys.modules, 'aiokafka' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]

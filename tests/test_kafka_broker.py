@@ -22,9 +22,9 @@ import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.errors import UnknownTopicOrPartitionError
 
-from worker.cli import main
-from worker.kafka.admin import TopicError, TopicSpec, create_topic, delete_topics, ensure_topics
-from worker.kafka.local_broker import LocalKafka, LocalKafkaError, free_port, kafka_script
+from tokenmill.cli import main
+from tokenmill.kafka.admin import TopicError, TopicSpec, create_topic, delete_topics, ensure_topics
+from tokenmill.kafka.local_broker import LocalKafka, LocalKafkaError, free_port, kafka_script
 
 pytestmark = pytest.mark.kafka
 
@@ -326,7 +326,7 @@ def test_cli_create_topic_applies_configs(kafka_bootstrap, capsys, monkeypatch):
 def test_refused_creation_is_fine_only_for_a_topic_that_already_fits():
     """Decision rule behind ensure_topics for brokers that refuse CreateTopics (no ACL): the
     local broker has no authorizer, so the rule is checked on metadata entries directly."""
-    from worker.kafka.admin import unresolved_refusals
+    from tokenmill.kafka.admin import unresolved_refusals
 
     def entry(topic: str, partitions: int, error_code: int = 0) -> dict:
         return {"topic": topic, "error_code": error_code,

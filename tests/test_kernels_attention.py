@@ -5,7 +5,7 @@ import zlib
 import pytest
 import torch
 
-from kernels.checks import (
+from tokenmill.kernels.checks import (
     ATTENTION_CASES,
     TOLERANCE,
     AttentionCase,
@@ -13,7 +13,7 @@ from kernels.checks import (
     make_attention_inputs,
     random_attention_cases,
 )
-from kernels.paged_attention import choose_num_splits, paged_attention, paged_attention_ref
+from tokenmill.kernels.paged_attention import choose_num_splits, paged_attention, paged_attention_ref
 
 DTYPES = [torch.float32, torch.float16]
 

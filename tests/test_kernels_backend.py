@@ -7,10 +7,10 @@ transformers `generate` token for token (fp32, CPU), over a batch that mixes pre
 import pytest
 import torch
 
-from kernels.checks import AttentionCase, make_attention_inputs
-from kernels.paged_attention import paged_attention_ref
-from worker.engine.attention import AttentionMetadata, get_attention_backend
-from worker.engine.attention.triton_backend import TritonAttentionBackend
+from tokenmill.engine.attention import AttentionMetadata, get_attention_backend
+from tokenmill.engine.attention.triton_backend import TritonAttentionBackend
+from tokenmill.kernels.checks import AttentionCase, make_attention_inputs
+from tokenmill.kernels.paged_attention import paged_attention_ref
 
 
 def test_factory_gives_the_triton_backend():
@@ -52,8 +52,8 @@ def test_backend_write_then_attend_matches_reference(num_splits):
 def test_model_logits_with_triton_equal_torch_backend(tiny_model_dir):
     """Llama, Qwen2 (qkv bias) and Qwen3 (qk-norm, head_dim 32): a prefill step, then a mixed step of a
     decode row and a chunked-prefill row, give the same logits with either backend."""
-    from worker.engine.attention.torch_backend import TorchAttentionBackend
-    from worker.engine.loader import load_model
+    from tokenmill.engine.attention.torch_backend import TorchAttentionBackend
+    from tokenmill.engine.loader import load_model
 
     logits = {}
     for name, backend in (("torch", TorchAttentionBackend()), ("triton", TritonAttentionBackend())):
@@ -100,8 +100,8 @@ def _hf_greedy(model_dir, prompts, max_new_tokens):
 
 @pytest.mark.slow
 def test_engine_with_triton_backend_matches_transformers(tiny_llama_dir):
-    from worker.engine.engine import Engine, EngineConfig
-    from worker.engine.types import EngineRequest, SamplingParams
+    from tokenmill.engine.engine import Engine, EngineConfig
+    from tokenmill.engine.types import EngineRequest, SamplingParams
 
     prompts = [[5, 17, 300, 42, 7, 99, 1000, 3, 64, 81, 12, 640, 77, 8, 1500, 23, 4, 9],  # > one block
                [11], [400, 401, 402], [1200, 1201, 9, 9, 9, 33, 2047]]

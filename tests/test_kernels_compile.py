@@ -25,7 +25,7 @@ def _env():
 
 @pytest.mark.slow
 def test_all_kernels_compile_for_sm90():
-    proc = subprocess.run([sys.executable, "-m", "kernels.compile_check", "--arch", "90"], cwd=ROOT, env=_env(),
+    proc = subprocess.run([sys.executable, "-m", "tokenmill.kernels.compile_check", "--arch", "90"], cwd=ROOT, env=_env(),
                           capture_output=True, text=True, timeout=600)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(("ok", "FAILED"))]
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
@@ -52,7 +52,7 @@ def test_the_compile_check_rejects_what_only_a_gpu_compiler_rejects(tmp_path):
         import sys, torch
         sys.path.insert(0, sys.argv[1])
         from bad_kernel import small_dot
-        from kernels.compile_check import Launch, compile_launch
+        from tokenmill.kernels.compile_check import Launch, compile_launch
         def buffers(n):
             return torch.zeros(n * n, dtype=torch.float16), torch.zeros(n * n, dtype=torch.float16)
         good = Launch("dot16", small_dot, buffers(16), {"N": 16})

@@ -7,10 +7,10 @@ anything to the KV cache for the padding rows.
 import pytest
 import torch
 
-from worker.engine.attention import AttentionMetadata
-from worker.engine.attention.triton_backend import TritonAttentionBackend
-from worker.engine.cuda_graphs import DecodeGraphRunner
-from worker.engine.loader import load_model
+from tokenmill.engine.attention import AttentionMetadata
+from tokenmill.engine.attention.triton_backend import TritonAttentionBackend
+from tokenmill.engine.cuda_graphs import DecodeGraphRunner
+from tokenmill.engine.loader import load_model
 
 BLOCK = 4
 

@@ -3,11 +3,17 @@
 import pytest
 import torch
 
-from kernels.checks import TOLERANCE, kv_write_mismatches, rms_norm_error, rotary_error, silu_mul_error
-from kernels.kv_write import kv_write
-from kernels.rmsnorm import rms_norm
-from kernels.rotary import rope_cos_sin_cache, rotary_embedding
-from kernels.silu_mul import silu_mul
+from tokenmill.kernels.checks import (
+    TOLERANCE,
+    kv_write_mismatches,
+    rms_norm_error,
+    rotary_error,
+    silu_mul_error,
+)
+from tokenmill.kernels.kv_write import kv_write
+from tokenmill.kernels.rmsnorm import rms_norm
+from tokenmill.kernels.rotary import rope_cos_sin_cache, rotary_embedding
+from tokenmill.kernels.silu_mul import silu_mul
 
 DTYPES = [torch.float32, torch.float16]
 

@@ -5,7 +5,7 @@ vocabulary that is not a multiple of 32."""
 import pytest
 import torch
 
-from kernels.token_bitmask import (
+from tokenmill.kernels.token_bitmask import (
     apply_token_bitmask,
     apply_token_bitmask_cpu,
     apply_token_bitmask_ref,

@@ -9,10 +9,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.paged_helpers import PagedKV, run_step
-from worker.engine.attention.torch_backend import TorchAttentionBackend
-from worker.engine.loader import load_model
-from worker.engine.model_config import CheckpointError, load_model_config, resolve_dtype
-from worker.engine.tokenizer import encode_request, load_tokenizer
+from tokenmill.engine.attention.torch_backend import TorchAttentionBackend
+from tokenmill.engine.loader import load_model
+from tokenmill.engine.model_config import CheckpointError, load_model_config, resolve_dtype
+from tokenmill.engine.tokenizer import encode_request, load_tokenizer
 
 
 def load(path, **kw):

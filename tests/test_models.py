@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from tests.paged_helpers import PagedKV, run_step
-from worker.engine.attention import AttentionMetadata, OutputRows
-from worker.engine.attention.torch_backend import TorchAttentionBackend
-from worker.engine.loader import load_model
+from tokenmill.engine.attention import AttentionMetadata, OutputRows
+from tokenmill.engine.attention.torch_backend import TorchAttentionBackend
+from tokenmill.engine.loader import load_model
 
 ATOL = 1e-4
 

@@ -11,9 +11,9 @@ import random
 import pytest
 
 from tests.test_prompt_logprobs import kv_gb
-from tools.tiny_models import cached_tiny_model
-from worker.engine import Engine, EngineConfig
-from worker.engine.types import EngineRequest, ErrorKind, FinishReason, SamplingParams
+from tokenmill.engine import Engine, EngineConfig
+from tokenmill.engine.types import EngineRequest, ErrorKind, FinishReason, SamplingParams
+from tokenmill.tools.tiny_models import cached_tiny_model
 
 
 @pytest.fixture(scope="module")

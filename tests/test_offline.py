@@ -2,9 +2,9 @@
 
 import pytest
 
-from schemas import Job
 from tests.offline_helpers import ScriptedEngine
-from worker.offline import OfflineRunner
+from tokenmill.offline import OfflineRunner
+from tokenmill.schemas import Job
 
 
 def job(i, prompt=None, **fields):

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from worker.kafka.offsets import OffsetTracker, PartitionOffsets
+from tokenmill.kafka.offsets import OffsetTracker, PartitionOffsets
 
 
 def test_commit_point_is_lowest_outstanding_offset():

@@ -20,13 +20,11 @@ from aiokafka.errors import (
     UnknownError,
 )
 
-from schemas import ERROR_RESULT_TOO_LARGE, Result
-from schemas.decode import decode_job
-from worker.engine.types import FinishReason, RequestDelta, TokenLogprob, Usage
-from worker.engine.types import Timing as EngineTiming
-from worker.kafka import answers
-from worker.kafka.answers import AnswerContext
-from worker.kafka.publisher import (
+from tokenmill.engine.types import FinishReason, RequestDelta, TokenLogprob, Usage
+from tokenmill.engine.types import Timing as EngineTiming
+from tokenmill.kafka import answers
+from tokenmill.kafka.answers import AnswerContext
+from tokenmill.kafka.publisher import (
     DENIED,
     INVALID,
     TOO_LARGE,
@@ -37,8 +35,8 @@ from worker.kafka.publisher import (
     refusal_of,
     send_acked,
 )
-from worker.kafka.security import access_denied
-from worker.kafka.sizing import (
+from tokenmill.kafka.security import access_denied
+from tokenmill.kafka.sizing import (
     CUT_LOGPROBS,
     CUT_METADATA,
     CUT_REPLACED,
@@ -48,7 +46,9 @@ from worker.kafka.sizing import (
     fit_dead_letter,
     fit_result,
 )
-from worker.kafka.types import Fetched, InFlightJob
+from tokenmill.kafka.types import Fetched, InFlightJob
+from tokenmill.schemas import ERROR_RESULT_TOO_LARGE, Result
+from tokenmill.schemas.decode import decode_job
 
 LOG = structlog.get_logger("test")
 TP = TopicPartition("jobs", 0)
@@ -271,10 +271,10 @@ async def test_a_send_refused_before_it_reaches_the_producer_drops_the_event():
 
 # -- readers of Results -------------------------------------------------------------------------
 def test_result_readers_take_a_truncated_result_and_a_result_too_large_error():
-    from schemas.openai_batch import openai_batch_output_line
-    from tools.backfill.output import output_row
-    from tools.backfill.store import StoredRow
-    from tools.tail import format_result
+    from tokenmill.schemas.openai_batch import openai_batch_output_line
+    from tokenmill.tools.backfill.output import output_row
+    from tokenmill.tools.backfill.store import StoredRow
+    from tokenmill.tools.tail import format_result
 
     cut = json.loads(fit_result(_result(), 900).value)
     replaced = json.loads(fit_result(_result(n_tokens=3000, text="z"), 3000).value)

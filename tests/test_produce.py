@@ -7,11 +7,11 @@ import time
 import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
-from schemas import decode_job, parse_input_line
 from tests.worker_helpers import make_topics, start_worker_process, stop_process, worker_command
-from tools.kafka_topics import topic_partitions
-from tools.produce import key_for, prefix_key, topic_for
-from worker.cli import main
+from tokenmill.cli import main
+from tokenmill.schemas import decode_job, parse_input_line
+from tokenmill.tools.kafka_topics import topic_partitions
+from tokenmill.tools.produce import key_for, prefix_key, topic_for
 
 pytestmark = pytest.mark.kafka
 
@@ -115,7 +115,7 @@ def test_prefix_key_routes_shared_prefixes_to_one_partition(kafka_bootstrap, new
 
 def test_produce_routes_by_model_and_respects_rate(kafka_bootstrap, new_topic, tmp_path, capsys):
     stem = new_topic()  # just a unique name to build the per-model topic names from
-    from worker.kafka.admin import create_topic_sync
+    from tokenmill.kafka.admin import create_topic_sync
 
     for model in ("large", "small"):
         create_topic_sync(kafka_bootstrap, f"{stem}.{model}", 1)

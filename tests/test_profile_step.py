@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from tools.profile_step import PARTS, PartTimer, format_table, profile_once
+from tokenmill.tools.profile_step import PARTS, PartTimer, format_table, profile_once
 
 
 def test_a_part_called_inside_another_counts_only_for_itself():

@@ -10,17 +10,17 @@ import random
 import pytest
 import torch
 
-from tools.tiny_models import cached_tiny_model
-from worker.engine import Engine, EngineConfig, greedy_head
-from worker.engine.model_runner import ModelRunner
-from worker.engine.types import EngineRequest, FinishReason, SamplingParams
+from tokenmill.engine import Engine, EngineConfig, greedy_head
+from tokenmill.engine.model_runner import ModelRunner
+from tokenmill.engine.types import EngineRequest, FinishReason, SamplingParams
+from tokenmill.tools.tiny_models import cached_tiny_model
 
 TOL = 1e-4
 TOP_N = 5
 
 
 def kv_gb(model_dir, num_blocks, block_size=16):
-    from worker.engine.model_config import load_model_config
+    from tokenmill.engine.model_config import load_model_config
 
     mc = load_model_config(model_dir, "float32")
     return num_blocks * ModelRunner.kv_bytes_per_block(mc.num_layers, mc.num_kv_heads, mc.head_dim, mc.dtype,
@@ -253,8 +253,8 @@ def test_the_engine_refuses_what_it_cannot_run():
 
 
 def test_the_prefix_cache_limit_follows_the_next_position_to_score():
-    from worker.engine.request import Request
-    from worker.engine.types import PromptLogprob
+    from tokenmill.engine.request import Request
+    from tokenmill.engine.types import PromptLogprob
 
     def req(**sampling):
         return Request(EngineRequest(request_id="x", prompt_token_ids=list(range(3, 43)),

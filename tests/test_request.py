@@ -2,9 +2,9 @@
 
 import pytest
 
-from worker.engine.request import PENDING_TOKEN, Request
-from worker.engine.sampler import num_generated
-from worker.engine.types import EngineRequest, ErrorKind, SamplingParams
+from tokenmill.engine.request import PENDING_TOKEN, Request
+from tokenmill.engine.sampler import num_generated
+from tokenmill.engine.types import EngineRequest, ErrorKind, SamplingParams
 
 
 def make(prompt=(1, 2, 3), **sampling):

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from worker.cli import main
+from tokenmill.cli import main
 
 BROKEN = {
     7: "{this is not json",
@@ -89,7 +89,7 @@ def test_openai_output_format(tmp_path, tiny_qwen2_dir, batch_file):
 def test_an_s3_model_is_served_under_its_last_path_part():
     from argparse import Namespace
 
-    from worker.cli.commands.run_batch import served_model_name
+    from tokenmill.cli.commands.run_batch import served_model_name
 
     assert served_model_name(Namespace(model="s3://bucket/models/qwen-tiny/", served_model_name=None)) == "qwen-tiny"
     assert served_model_name(Namespace(model="s3://bucket/models/qwen-tiny", served_model_name="given")) == "given"

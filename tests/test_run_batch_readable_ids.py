@@ -3,7 +3,7 @@ other fields cannot be decoded gets its error Result under that id, not a line n
 
 import json
 
-from worker.cli import main
+from tokenmill.cli import main
 
 
 def test_run_batch_answers_an_undecodable_line_under_its_readable_id(tmp_path, tiny_qwen2_dir):

@@ -14,7 +14,7 @@ import re
 import jsonschema
 import pytest
 
-from worker.cli import main
+from tokenmill.cli import main
 
 CHAT = "/v1/chat/completions"
 

@@ -6,7 +6,7 @@ from pathlib import Path
 import boto3
 import pytest
 
-from worker.storage import (
+from tokenmill.storage import (
     S3Error,
     download_prefix,
     local_input,

@@ -9,7 +9,7 @@ import boto3
 import pytest
 
 from tests.worker_helpers import make_topics, start_worker_process, stop_process, worker_command
-from worker.cli import main
+from tokenmill.cli import main
 
 pytestmark = pytest.mark.kafka
 

@@ -9,14 +9,14 @@ from collections import Counter
 import pytest
 import torch
 
-from worker.engine.sampler import (
+from tokenmill.engine.sampler import (
     Sampler,
     SamplingInputs,
     _inverse_cdf,
     greedy_argmax,
     seeded_uniform,
 )
-from worker.engine.types import SamplingParams
+from tokenmill.engine.types import SamplingParams
 
 VOCAB = 64
 EOS = [5, 7]
@@ -414,7 +414,7 @@ def test_ties_at_the_top_k_and_top_p_boundary_are_kept():
 
 @pytest.mark.parametrize("candidates", [2, 8, 4096])
 def test_top_p_candidate_search_and_full_sort_fallback_agree(monkeypatch, candidates):
-    import worker.engine.sampler as sampler_module
+    import tokenmill.engine.sampler as sampler_module
 
     monkeypatch.setattr(sampler_module, "TOP_P_CANDIDATES", candidates)
     rng = random.Random(candidates)

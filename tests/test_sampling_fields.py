@@ -11,11 +11,11 @@ import annotated_types
 import pytest
 from pydantic_core import PydanticUndefined
 
-from schemas.constants import STRUCTURED_OUTPUT_KINDS, WHITESPACE_MODES
-from schemas.job import Sampling, StructuredOutputs
-from worker.engine import types as engine_types
-from worker.engine.types import SamplingParams, StructuredOutputsParams
-from worker.job_mapping import job_to_engine_request
+from tokenmill.engine import types as engine_types
+from tokenmill.engine.types import SamplingParams, StructuredOutputsParams
+from tokenmill.job_mapping import job_to_engine_request
+from tokenmill.schemas.constants import STRUCTURED_OUTPUT_KINDS, WHITESPACE_MODES
+from tokenmill.schemas.job import Sampling, StructuredOutputs
 
 ENGINE_FIELDS = {f.name: f for f in dataclasses.fields(SamplingParams)}
 CONSTRAINT_FIELDS = {f.name: f for f in dataclasses.fields(StructuredOutputsParams)}
@@ -97,7 +97,7 @@ def test_min_tokens_above_max_tokens_is_refused_on_both_sides():
 
 
 def test_a_job_maps_every_sampling_field_by_name():
-    from schemas import Job
+    from tokenmill.schemas import Job
 
     values = {"max_tokens": 9, "min_tokens": 1, "temperature": 0.5, "top_p": 0.5, "top_k": 3, "min_p": 0.1,
               "repetition_penalty": 1.2, "presence_penalty": 0.5, "frequency_penalty": -0.5, "seed": 7,
@@ -141,7 +141,7 @@ def test_the_same_constraint_default(name):
     ],
 )
 def test_every_constraint_kind_reaches_the_engine_as_given(given):
-    from schemas import Job
+    from tokenmill.schemas import Job
 
     job = Job.model_validate({"job_id": "j", "prompt": "p", "sampling": {"structured_outputs": given}})
     got = job_to_engine_request(job).sampling.structured_outputs
@@ -167,7 +167,7 @@ def test_constraints_the_wire_refuses_the_engine_refuses(bad):
 
 
 def test_no_constraint_is_none_on_both_sides():
-    from schemas import Job
+    from tokenmill.schemas import Job
 
     job = Job.model_validate({"job_id": "j", "prompt": "p"})
     assert job.sampling.structured_outputs is None

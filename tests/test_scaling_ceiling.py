@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from tools.scaling_ceiling import ceiling_ratios, format_report, main, meet, run_once
+from tokenmill.tools.scaling_ceiling import ceiling_ratios, format_report, main, meet, run_once
 
 
 def _run(wall_s: float, started_at: float = 100.0) -> dict:

@@ -2,10 +2,10 @@
 
 import random
 
-from worker.engine.block_manager import BlockManager
-from worker.engine.request import Request, RequestStatus
-from worker.engine.scheduler import Scheduler, SchedulerConfig
-from worker.engine.types import EngineRequest, FinishReason, SamplingParams
+from tokenmill.engine.block_manager import BlockManager
+from tokenmill.engine.request import Request, RequestStatus
+from tokenmill.engine.scheduler import Scheduler, SchedulerConfig
+from tokenmill.engine.types import EngineRequest, FinishReason, SamplingParams
 
 
 def make(rid, tokens, *, priority=0, arrival=0.0, deadline_ms=None, tenant=None, max_tokens=4):

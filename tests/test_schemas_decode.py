@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from schemas import (
+from tokenmill.schemas import (
     ERROR_CODES,
     ERROR_INVALID_JOB,
     Job,

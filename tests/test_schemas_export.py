@@ -9,9 +9,9 @@ import sys
 import jsonschema
 import pytest
 
-from schemas import decode_job
-from schemas.export import JSON_DIR, SCHEMAS, main, render, schema_path, stale_files, write_all
-from worker.cli import main as cli_main
+from tokenmill.cli import main as cli_main
+from tokenmill.schemas import decode_job
+from tokenmill.schemas.export import JSON_DIR, SCHEMAS, main, render, schema_path, stale_files, write_all
 
 # The example messages of the contract, verbatim.
 CONTRACT_JOB = {
@@ -74,7 +74,7 @@ def test_check_notices_drift(tmp_path, capsys):
 
 def test_export_module_writes_files(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "schemas.export", "--out-dir", str(tmp_path)],
+        [sys.executable, "-m", "tokenmill.schemas.export", "--out-dir", str(tmp_path)],
         capture_output=True,
         text=True,
         check=True,

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from schemas import ERROR_INVALID_JOB, Job, JobDecodeError, Sampling, decode_job
+from tokenmill.schemas import ERROR_INVALID_JOB, Job, JobDecodeError, Sampling, decode_job
 
 BASE = {"job_id": "row-1", "prompt": "hello"}
 MSGS = [{"role": "user", "content": "hi"}]
@@ -393,7 +393,7 @@ def test_a_constraint_keeps_its_form_and_key_order_on_the_wire():
 
 
 def test_the_constraint_is_part_of_a_backfill_jobs_identity():
-    from tools.backfill.jobs import JobSpec
+    from tokenmill.tools.backfill.jobs import JobSpec
 
     def fp(constraint=None, **sampling):
         if constraint is not None:

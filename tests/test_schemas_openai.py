@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from schemas import (
+from tokenmill.schemas import (
     CHAT_COMPLETIONS_URL,
     COMPLETIONS_URL,
     ERROR_INVALID_JOB,
@@ -414,7 +414,7 @@ def test_vllm_structured_outputs_field():
 
 
 def test_a_mapped_constraint_keeps_its_wire_form():
-    from schemas import decode_job
+    from tokenmill.schemas import decode_job
 
     rf = {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA}}
     job = job_from_openai_batch_line(chat(response_format=rf))
@@ -440,7 +440,7 @@ def _as_sent(value):
 
 
 def test_every_sampling_rename_comes_from_the_one_table():
-    from schemas.openai_batch import BODY_TO_JOB, COMPLETIONS
+    from tokenmill.schemas.openai_batch import BODY_TO_JOB, COMPLETIONS
 
     for body_name, (path, endpoints) in BODY_TO_JOB.items():
         if not path.startswith("sampling.") or body_name in _RESHAPED:
@@ -454,7 +454,7 @@ def test_every_sampling_rename_comes_from_the_one_table():
         bad = 5 if target == "stop" else "bad"  # a stop string alone is a valid stop
         assert f"body.{body_name}" in rejected(make(**{body_name: bad})).message
     # Every Sampling field an OpenAI body can set is in the table.
-    from schemas.job import Sampling
+    from tokenmill.schemas.job import Sampling
 
     assert {p.removeprefix("sampling.") for p, _ in BODY_TO_JOB.values() if p.startswith("sampling.")} == set(
         Sampling.model_fields
@@ -584,7 +584,7 @@ def test_prompt_logprobs_are_never_dropped_from_an_openai_body():
 
 
 def test_a_runner_can_refuse_up_front_what_an_openai_body_cannot_hold():
-    from schemas.openai_batch import openai_output_refusal
+    from tokenmill.schemas.openai_batch import openai_output_refusal
 
     scored_chat = Job.model_validate({"job_id": "a", "messages": HI, "sampling": {"prompt_logprobs": 1}})
     assert "no place in a chat.completion body" in openai_output_refusal(scored_chat, CHAT_COMPLETIONS_URL)

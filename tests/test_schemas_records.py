@@ -7,7 +7,7 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from schemas import (
+from tokenmill.schemas import (
     DEAD_LETTER_HEADERS,
     ERROR_CODES,
     Result,

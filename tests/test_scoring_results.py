@@ -10,9 +10,9 @@ import math
 import pytest
 import torch
 
-from schemas import Job
-from worker.engine import Engine, EngineConfig
-from worker.offline import OfflineRunner
+from tokenmill.engine import Engine, EngineConfig
+from tokenmill.offline import OfflineRunner
+from tokenmill.schemas import Job
 
 TOL = 1e-4
 
@@ -77,7 +77,7 @@ def test_a_scoring_job_gets_the_prompt_logprobs_in_its_result(engine, tiny_llama
     assert [r.token_id for r in tail.prompt_logprobs] == ids[8:]
     assert all(r.top_logprobs == [] for r in tail.prompt_logprobs)
     # The JSON form validates against the wire's Result (round trip).
-    from schemas import Result
+    from tokenmill.schemas import Result
 
     assert Result.model_validate_json(score.model_dump_json()) == score
 
@@ -97,7 +97,7 @@ def test_an_n_job_gets_its_choices_each_equal_to_a_single_seeded_job(engine):
         assert choice.completion_tokens == 6 and [r.token_id for r in choice.logprobs] == choice.token_ids
     assert (many.text, many.token_ids) == (many.choices[0].text, many.choices[0].token_ids)
     assert many.usage.completion_tokens == 18 and many.usage.prompt_tokens == results[1].usage.prompt_tokens
-    from schemas import Result
+    from tokenmill.schemas import Result
 
     assert Result.model_validate_json(many.model_dump_json()) == many
 
@@ -114,7 +114,7 @@ def test_run_batch_echo_logprobs_line_gives_the_prompt_logprobs_in_openai_shape(
     """The line lm-eval's local-completions model sends: echo + logprobs, max_tokens 0."""
     import json
 
-    from worker.cli import main
+    from tokenmill.cli import main
 
     batch = tmp_path / "echo.jsonl"
     lines = [
@@ -143,7 +143,7 @@ def test_run_batch_echo_logprobs_line_gives_the_prompt_logprobs_in_openai_shape(
 def test_backfill_refuses_prompt_logprobs_in_openai_output(tmp_path, capsys, tiny_llama_dir):
     import json
 
-    from worker.cli import main
+    from tokenmill.cli import main
 
     inp = tmp_path / "rows.jsonl"
     inp.write_text(json.dumps({"text": "a b c"}) + "\n")

@@ -23,8 +23,8 @@ from aiokafka.errors import (
 )
 
 from tests.worker_helpers import REPO, job, results_by_job, running_worker, worker_command, worker_settings
-from worker.cli import main
-from worker.kafka.acls import (
+from tokenmill.cli import main
+from tokenmill.kafka.acls import (
     Acl,
     Operation,
     ResourceType,
@@ -34,7 +34,7 @@ from worker.kafka.acls import (
     reader_acls,
     worker_acls,
 )
-from worker.kafka.security import EXIT_NOT_AUTHENTICATED, EXIT_NOT_AUTHORIZED
+from tokenmill.kafka.security import EXIT_NOT_AUTHENTICATED, EXIT_NOT_AUTHORIZED
 
 pytestmark = [pytest.mark.kafka]
 
@@ -43,7 +43,7 @@ FAST_S = 30  # a refusal must end a command within this (no retry loop hides beh
 
 @pytest.fixture(scope="module")
 def engine(tiny_llama_dir):
-    from worker.engine.engine import Engine, EngineConfig
+    from tokenmill.engine.engine import Engine, EngineConfig
 
     return Engine(EngineConfig(model=str(tiny_llama_dir), max_num_seqs=16, max_num_batched_tokens=512,
                                kv_cache_gb=0.05, max_model_len=256))
@@ -64,7 +64,7 @@ async def _cli(*argv: str) -> tuple[int, float]:
 async def _run_refused(settings, engine) -> tuple[int, float, str]:
     """Run an in-process worker that the broker should refuse: (exit code, seconds, fatal error).
     A retry loop shows as a timeout here rather than as a test that never ends."""
-    from worker.kafka.worker import KafkaWorker
+    from tokenmill.kafka.worker import KafkaWorker
 
     w = KafkaWorker(settings, engine=engine)
     t0 = time.monotonic()

@@ -2,8 +2,8 @@
 
 import pytest
 
-from worker.engine.stop_rule import check_stop, is_stop_token, stop_strings_count
-from worker.engine.types import FinishReason, SamplingParams
+from tokenmill.engine.stop_rule import check_stop, is_stop_token, stop_strings_count
+from tokenmill.engine.types import FinishReason, SamplingParams
 
 EOS = frozenset({2})
 MAX_LEN = 100

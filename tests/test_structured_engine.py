@@ -11,9 +11,9 @@ import time
 
 import pytest
 
-from worker.engine.config import EngineConfig
-from worker.engine.engine import Engine
-from worker.engine.types import (
+from tokenmill.engine.config import EngineConfig
+from tokenmill.engine.engine import Engine
+from tokenmill.engine.types import (
     EngineRequest,
     ErrorKind,
     FinishReason,

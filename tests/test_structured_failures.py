@@ -17,8 +17,8 @@ import time
 import pytest
 
 from tests.structured_helpers import new_matcher, output_problem
-from worker.engine import Engine, EngineConfig
-from worker.engine.types import (
+from tokenmill.engine import Engine, EngineConfig
+from tokenmill.engine.types import (
     EngineRequest,
     ErrorKind,
     FinishReason,
@@ -213,7 +213,7 @@ class _SlowBackend:
 def test_a_compile_that_ended_past_the_time_limit_fails_even_when_first_looked_at_after_it_ended():
     # An engine step longer than the time limit (a big batch, a first step) means the compile's
     # outcome is first asked for after the compile has already ended, late: it must still fail.
-    from worker.engine.structured.compiler import ConstraintCompiler
+    from tokenmill.engine.structured.compiler import ConstraintCompiler
 
     compiler = ConstraintCompiler(_SlowBackend(0.3), timeout_s=0.1)
     entry = compiler.submit(S(regex="[a-z]+"))

@@ -26,9 +26,9 @@ from tests.structured_helpers import (
     new_matcher,
     output_problem,
 )
-from tools.tiny_models import cached_tiny_model
-from worker.engine import Engine, EngineConfig
-from worker.engine.types import FinishReason, StructuredOutputsParams
+from tokenmill.engine import Engine, EngineConfig
+from tokenmill.engine.types import FinishReason, StructuredOutputsParams
+from tokenmill.tools.tiny_models import cached_tiny_model
 
 PERSON = {
     "type": "object",
@@ -68,7 +68,7 @@ def random_case(model_dir, seed: int = 0, max_len: int = 70, max_new: tuple[int,
 
 
 def smollm2_case() -> dict:
-    from tools.smollm2 import cached_smollm2
+    from tokenmill.tools.smollm2 import cached_smollm2
 
     model_dir = cached_smollm2()
     asks = [

@@ -22,11 +22,11 @@ from tests.structured_helpers import (
     output_problem,
     whitespace_runs,
 )
-from tools.structured_workload import SCHEMAS, structured_workload
-from tools.tiny_models import cached_tiny_model
-from worker.engine import Engine, EngineConfig
-from worker.engine.structured.llguidance_backend import FLEXIBLE_WHITESPACE_MAX
-from worker.engine.types import EngineRequest, FinishReason, SamplingParams, StructuredOutputsParams
+from tokenmill.engine import Engine, EngineConfig
+from tokenmill.engine.structured.llguidance_backend import FLEXIBLE_WHITESPACE_MAX
+from tokenmill.engine.types import EngineRequest, FinishReason, SamplingParams, StructuredOutputsParams
+from tokenmill.tools.structured_workload import SCHEMAS, structured_workload
+from tokenmill.tools.tiny_models import cached_tiny_model
 
 CHOICES = ["positive", "negative", "neutral", "mixed", "not applicable"]
 REGEXES = [r"[A-Z]{3}-[0-9]{4}", r"(yes|no)( \(certain\))?", r"[a-z]{1,8}@[a-z]{1,8}\.(com|org)", r"-?[0-9]{1,4}"]
@@ -97,7 +97,7 @@ def test_256_constrained_jobs_over_the_8_schemas_are_all_valid_on_a_random_model
 
 @pytest.mark.slow
 def test_constrained_jobs_on_smollm2_are_all_valid():
-    from tools.smollm2 import cached_smollm2
+    from tokenmill.tools.smollm2 import cached_smollm2
 
     model_dir = cached_smollm2()
     rng = random.Random(0)

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from tools.bench_structured import percentile
-from tools.structured_workload import (
+from tokenmill.tools.bench_structured import percentile
+from tokenmill.tools.structured_workload import (
     SCHEMAS,
     Schema,
     check_choice,

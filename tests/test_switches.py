@@ -2,7 +2,7 @@
 
 import pytest
 
-from worker.engine.switches import switch
+from tokenmill.engine.switches import switch
 
 
 @pytest.mark.parametrize("raw, want", [
@@ -25,7 +25,7 @@ def test_unset_is_none_and_anything_else_names_the_variable(monkeypatch):
 @pytest.mark.parametrize("encoded_copy", [True, False])
 def test_a_change_to_the_environment_is_seen_at_the_next_read(monkeypatch, encoded_copy):
     # The fast read goes through os.environ's encoded copy; without one, through os.environ.get.
-    from worker.engine import switches
+    from tokenmill.engine import switches
 
     if not encoded_copy:
         monkeypatch.setattr(switches, "_ENCODED", None)

@@ -7,8 +7,8 @@ import json
 import pytest
 from aiokafka import AIOKafkaProducer
 
-from tools.tail import TokenAssembler, format_result, tail
-from worker.cli import main
+from tokenmill.cli import main
+from tokenmill.tools.tail import TokenAssembler, format_result, tail
 
 pytestmark = pytest.mark.kafka
 
@@ -120,8 +120,8 @@ def test_tail_tokens_reassembles_and_restarts(kafka_bootstrap, new_topic, capsys
 
 
 def test_assembler_keeps_each_choice_of_an_n_job_apart():
-    from worker.engine.types import RequestDelta
-    from worker.kafka.answers import token_event
+    from tokenmill.engine.types import RequestDelta
+    from tokenmill.kafka.answers import token_event
 
     deltas = [RequestDelta("j", [5], "a", choice=0), RequestDelta("j", [6], "x", choice=1),
               RequestDelta("j", [7], "b", choice=0), RequestDelta("j", [8], "y", choice=1, finished=True)]

@@ -11,14 +11,14 @@ import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from tests.worker_helpers import job, make_topics, produce, running_worker, wait_for, worker_settings
-from worker.kafka.attempts import read_committed
+from tokenmill.kafka.attempts import read_committed
 
 pytestmark = [pytest.mark.kafka]
 
 
 def _slow_engine(model_dir, step_s: float = 0.02):
     """A tiny engine whose steps take at least step_s: long jobs stay in flight for a while."""
-    from worker.engine.engine import Engine, EngineConfig
+    from tokenmill.engine.engine import Engine, EngineConfig
 
     engine = Engine(EngineConfig(model=str(model_dir), max_num_seqs=16, max_num_batched_tokens=512,
                                  kv_cache_gb=0.05))

@@ -130,7 +130,7 @@ async def _crash_run(bootstrap, model_dir, tmp_path, exactly_once: bool):
     """2 workers; 500 jobs in 5 waves; during each of the middle 3 waves one worker is killed with
     SIGKILL once it has answered some of the wave and is still running more of it, restarted, and
     the next wave waits until it is ready again, so the group always has 2 members to lose."""
-    from worker.kafka.local_broker import free_port
+    from tokenmill.kafka.local_broker import free_port
 
     n_jobs, per_wave, kills = 500, 100, 3
     topics = await make_topics(bootstrap, "crash-eos" if exactly_once else "crash", partitions=4)
@@ -204,7 +204,7 @@ async def test_crash_kill_9_exactly_once_read_committed(kafka_bootstrap, tiny_ll
 
 
 async def test_broker_restart_mid_run_loses_nothing(tiny_llama_dir, tmp_path):
-    from worker.kafka.local_broker import LocalKafka, free_port
+    from tokenmill.kafka.local_broker import LocalKafka, free_port
 
     broker = LocalKafka(port=free_port(), data_dir=tmp_path / "kafka", controller_port=free_port())
     broker.start(timeout=180, owner_pid=os.getpid(), auto_create_topics=False)

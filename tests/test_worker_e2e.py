@@ -27,7 +27,7 @@ MAX_MODEL_LEN = 256  # small, so an over-long prompt is cheap to build
 
 @pytest.fixture(scope="module")
 def engine(tiny_llama_dir):
-    from worker.engine.engine import Engine, EngineConfig
+    from tokenmill.engine.engine import Engine, EngineConfig
 
     return Engine(EngineConfig(model=str(tiny_llama_dir), max_num_seqs=64, max_num_batched_tokens=1024,
                                kv_cache_gb=0.05, max_model_len=MAX_MODEL_LEN))
@@ -197,7 +197,7 @@ async def test_guard_stops_the_worker_when_most_inputs_are_bad(kafka_bootstrap, 
     topics = await make_topics(kafka_bootstrap, "guard", partitions=1)
     await produce(kafka_bootstrap, topics.jobs, [b"not json"] * 40)
     settings = worker_settings(kafka_bootstrap, topics, tiny_llama_dir, bad_input_ratio=0.8, bad_input_window=20)
-    from worker.kafka.worker import KafkaWorker
+    from tokenmill.kafka.worker import KafkaWorker
 
     w = KafkaWorker(settings, engine=engine)
     code = await asyncio.wait_for(w.run(install_signal_handlers=False), 60)
@@ -232,7 +232,7 @@ async def test_tenant_cap_limits_concurrent_jobs_of_a_tenant(kafka_bootstrap, ti
 
 async def test_kafka_bench_runs_end_to_end(kafka_bootstrap, tiny_llama_dir):
     """The `kafka` bench on a handful of requests: it checks every Result itself and reports."""
-    from tools.bench_kafka import run_kafka_bench
+    from tokenmill.tools.bench_kafka import run_kafka_bench
 
     report = await asyncio.to_thread(run_kafka_bench, str(tiny_llama_dir), num_requests=6,
                                      bootstrap=kafka_bootstrap, engine_options={"kv_cache_gb": 0.05})
@@ -242,7 +242,7 @@ async def test_kafka_bench_runs_end_to_end(kafka_bootstrap, tiny_llama_dir):
 
 
 async def test_backpressure_and_span_cap_pause_fetching_without_losing_jobs(kafka_bootstrap, tiny_llama_dir, engine):
-    from worker.kafka.backpressure import BackpressurePolicy
+    from tokenmill.kafka.backpressure import BackpressurePolicy
 
     topics = await make_topics(kafka_bootstrap, "backpressure", partitions=1)
     jobs = [job(i, max_tokens=6, tenant="t") for i in range(80)]

@@ -71,7 +71,7 @@ def _events(path, event: str) -> list[dict]:
 @pytest.mark.slow
 async def test_a_worker_joining_a_group_slower_than_one_try_joins_answers_and_exits_0(
         kafka_bootstrap, tiny_llama_dir, tmp_path):
-    from worker.kafka.local_broker import free_port
+    from tokenmill.kafka.local_broker import free_port
 
     topics = await make_topics(kafka_bootstrap, "slow-join", partitions=4)
     listener = SlowToLetGo()

@@ -27,12 +27,12 @@ from tests.worker_helpers import (
     stop_process,
     worker_command,
 )
-from worker.kafka.backpressure import BackpressureGate, BackpressurePolicy
-from worker.kafka.broker_watch import BrokerWatch
-from worker.kafka.fetch import Fetcher
-from worker.kafka.offsets import OffsetTracker
-from worker.kafka.retry import BrokerUnreachable, BrokerWait
-from worker.metrics import HealthState, WorkerMetrics
+from tokenmill.kafka.backpressure import BackpressureGate, BackpressurePolicy
+from tokenmill.kafka.broker_watch import BrokerWatch
+from tokenmill.kafka.fetch import Fetcher
+from tokenmill.kafka.offsets import OffsetTracker
+from tokenmill.kafka.retry import BrokerUnreachable, BrokerWait
+from tokenmill.metrics import HealthState, WorkerMetrics
 
 LOG = structlog.get_logger("test")
 TP = TopicPartition("jobs", 0)
@@ -234,7 +234,7 @@ def _ready(port: int) -> int:
 
 @pytest.mark.kafka
 def test_a_worker_gives_up_on_a_missing_broker_after_the_wait_timeout(tiny_llama_dir, tmp_path):
-    from worker.kafka.local_broker import free_port
+    from tokenmill.kafka.local_broker import free_port
 
     port = free_port()  # nothing listens there
     topics = SimpleNamespace(flags=lambda: [])
@@ -259,7 +259,7 @@ def test_a_worker_gives_up_on_a_missing_broker_after_the_wait_timeout(tiny_llama
 @pytest.fixture(scope="module")
 def own_broker(tmp_path_factory):
     """A broker of this module only: its tests stop and start it."""
-    from tools.chaos.broker import Broker
+    from tokenmill.tools.chaos.broker import Broker
 
     broker = asyncio.run(Broker.start_local(tmp_path_factory.mktemp("outage-kafka")))
     try:
@@ -272,7 +272,7 @@ def own_broker(tmp_path_factory):
 @pytest.mark.slow
 async def test_a_worker_started_while_the_broker_is_down_waits_for_it_and_runs_jobs(own_broker, tiny_llama_dir,
                                                                                      tmp_path):
-    from worker.kafka.local_broker import free_port
+    from tokenmill.kafka.local_broker import free_port
 
     bootstrap = own_broker.bootstrap
     topics = await make_topics(bootstrap, "late-broker", partitions=2)
@@ -309,7 +309,7 @@ async def test_a_worker_started_while_the_broker_is_down_waits_for_it_and_runs_j
 async def test_a_two_minute_outage_mid_run_loses_nothing_and_the_worker_waits_it_out(own_broker, tmp_path):
     """`tokenmill chaos outage` with a 120 s outage: readiness false while the broker is away and
     true after, the worker process never exits, every job gets its Result."""
-    from tools.chaos.scenarios import ChaosConfig, run_scenario
+    from tokenmill.tools.chaos.scenarios import ChaosConfig, run_scenario
 
     config = ChaosConfig("outage", jobs=1200, workers=1, max_tokens=48, partitions=2, outage_s=120.0,
                          drain_timeout_s=120.0, work_dir=tmp_path)

@@ -27,7 +27,7 @@ from tests.worker_helpers import (
     wait_for,
     worker_settings,
 )
-from worker.kafka.admin import create_topic
+from tokenmill.kafka.admin import create_topic
 
 pytestmark = [pytest.mark.kafka]
 
@@ -36,7 +36,7 @@ WORKER = "w-limits"
 
 @pytest.fixture(scope="module")
 def engine(tiny_llama_dir):
-    from worker.engine.engine import Engine, EngineConfig
+    from tokenmill.engine.engine import Engine, EngineConfig
 
     return Engine(EngineConfig(model=str(tiny_llama_dir), max_num_seqs=64, max_num_batched_tokens=1024,
                                kv_cache_gb=0.05))
@@ -72,8 +72,8 @@ async def _committed_to_end(bootstrap: str, topics: Topics, timeout: float) -> f
 
 
 def _full_outputs(engine, bodies: list[dict]):
-    from schemas import Job
-    from worker.job_mapping import job_to_engine_request
+    from tokenmill.job_mapping import job_to_engine_request
+    from tokenmill.schemas import Job
 
     return engine.generate([job_to_engine_request(Job.model_validate(b)) for b in bodies])
 
@@ -81,10 +81,10 @@ def _full_outputs(engine, bodies: list[dict]):
 def _bare_size(engine, body: dict, delta, topics: Topics, offset: int) -> int:
     """The size the worker's Result of this job would have without logprobs and text (timings at
     their longest: the worker's own are shorter)."""
-    from schemas import Job, Timing
-    from worker.job_mapping import build_result
-    from worker.kafka.answers import source_of
-    from worker.kafka.publisher import record_size
+    from tokenmill.job_mapping import build_result
+    from tokenmill.kafka.answers import source_of
+    from tokenmill.kafka.publisher import record_size
+    from tokenmill.schemas import Job, Timing
 
     result = build_result(Job.model_validate(body), delta, model=engine.served_model_name, worker=WORKER,
                           attempt=f"{WORKER}-{'0' * 12}", source=source_of(topics.jobs, 0, offset))
@@ -194,10 +194,10 @@ async def test_a_tokens_topic_that_refuses_every_event_holds_no_job_back(kafka_b
 
 
 async def test_the_producer_follows_the_topic_limits_read_at_start(kafka_bootstrap, new_topic):
-    from worker.config import WorkerSettings
-    from worker.engine.config import EngineConfig
-    from worker.kafka import clients
-    from worker.logging import get_logger
+    from tokenmill.config import WorkerSettings
+    from tokenmill.engine.config import EngineConfig
+    from tokenmill.kafka import clients
+    from tokenmill.logging import get_logger
 
     small, default = new_topic(config={"max.message.bytes": "5000"}), new_topic()
     s = WorkerSettings(bootstrap_servers=kafka_bootstrap, engine=EngineConfig(model="m"), results_topic=small,
@@ -214,7 +214,7 @@ async def test_a_broker_refusal_moves_the_topic_to_the_plain_producer_and_later_
     """aiokafka's idempotent producer loses a partition's sequence after a refused batch (every
     later batch is refused as out of order); the worker's producer sends that topic through a
     plain producer from then on."""
-    from worker.kafka.publisher import OutRecord, WorkerProducer, send_acked
+    from tokenmill.kafka.publisher import OutRecord, WorkerProducer, send_acked
 
     topic = new_topic(config={"max.message.bytes": "2000"})
     kwargs = dict(bootstrap_servers=kafka_bootstrap, acks="all", linger_ms=2, max_request_size=1 << 20)

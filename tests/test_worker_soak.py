@@ -89,10 +89,10 @@ def metric_series(registry) -> int:
 
 
 async def test_20000_jobs_through_one_worker_leave_no_state_and_flat_memory(kafka_bootstrap, tiny_llama_dir):
-    from worker.engine import Engine, EngineConfig
-    from worker.engine.detokenizer import IncrementalDetokenizer
-    from worker.engine.request import Request
-    from worker.kafka.types import InFlightJob
+    from tokenmill.engine import Engine, EngineConfig
+    from tokenmill.engine.detokenizer import IncrementalDetokenizer
+    from tokenmill.engine.request import Request
+    from tokenmill.kafka.types import InFlightJob
 
     engine = Engine(EngineConfig(model=str(tiny_llama_dir), max_num_seqs=64, max_num_batched_tokens=1024,
                                  kv_cache_gb=0.05))

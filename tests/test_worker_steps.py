@@ -14,25 +14,25 @@ import structlog
 from aiokafka import TopicPartition
 from aiokafka.errors import KafkaConnectionError, ProducerFenced
 
-from schemas.decode import decode_job
 from tests.worker_helpers import FakeEngineThread
-from worker.engine.types import ErrorKind, FinishReason, RequestDelta, Timing, Usage
-from worker.kafka import answers
-from worker.kafka.answers import AnswerContext
-from worker.kafka.backpressure import BackpressureGate, BackpressurePolicy
-from worker.kafka.commit_loop import CommitLoop
-from worker.kafka.delivery import AtLeastOnce, ExactlyOnce, OffsetDone
-from worker.kafka.engine_output import EngineOutput
-from worker.kafka.fetch import Fetcher
-from worker.kafka.guard import BadInputGuard
-from worker.kafka.inflight import InFlight
-from worker.kafka.intake import Intake
-from worker.kafka.offsets import OffsetTracker
-from worker.kafka.rebalance import Rebalance
-from worker.kafka.retry import KafkaRetry
-from worker.kafka.tenants import TenantLimiter
-from worker.kafka.types import Answer, Fetched, InFlightJob
-from worker.metrics import HealthState, WorkerMetrics
+from tokenmill.engine.types import ErrorKind, FinishReason, RequestDelta, Timing, Usage
+from tokenmill.kafka import answers
+from tokenmill.kafka.answers import AnswerContext
+from tokenmill.kafka.backpressure import BackpressureGate, BackpressurePolicy
+from tokenmill.kafka.commit_loop import CommitLoop
+from tokenmill.kafka.delivery import AtLeastOnce, ExactlyOnce, OffsetDone
+from tokenmill.kafka.engine_output import EngineOutput
+from tokenmill.kafka.fetch import Fetcher
+from tokenmill.kafka.guard import BadInputGuard
+from tokenmill.kafka.inflight import InFlight
+from tokenmill.kafka.intake import Intake
+from tokenmill.kafka.offsets import OffsetTracker
+from tokenmill.kafka.rebalance import Rebalance
+from tokenmill.kafka.retry import KafkaRetry
+from tokenmill.kafka.tenants import TenantLimiter
+from tokenmill.kafka.types import Answer, Fetched, InFlightJob
+from tokenmill.metrics import HealthState, WorkerMetrics
+from tokenmill.schemas.decode import decode_job
 
 TP = TopicPartition("jobs", 1)
 LOG = structlog.get_logger("test")
@@ -511,8 +511,8 @@ def test_commit_lag_counts_records_past_the_committed_offset_and_is_removed_on_r
 
 # -- rebalance ----------------------------------------------------------------------------------
 async def test_a_rebalance_starts_epochs_at_the_committed_offset_and_lets_revoked_work_go():
-    from worker.config import WorkerSettings
-    from worker.engine.config import EngineConfig
+    from tokenmill.config import WorkerSettings
+    from tokenmill.engine.config import EngineConfig
 
     settings = WorkerSettings(bootstrap_servers="h:1", engine=EngineConfig(model="m"), jobs_topic="jobs",
                               revoke_grace_s=0.2)

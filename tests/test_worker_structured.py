@@ -12,7 +12,6 @@ import json
 
 import pytest
 
-from schemas.constants import ERROR_INVALID_CONSTRAINT
 from tests.structured_helpers import output_problem
 from tests.worker_helpers import (
     committed_offsets,
@@ -27,8 +26,9 @@ from tests.worker_helpers import (
     wait_for,
     worker_settings,
 )
-from tools.structured_workload import SCHEMAS
-from worker.engine.types import StructuredOutputsParams
+from tokenmill.engine.types import StructuredOutputsParams
+from tokenmill.schemas.constants import ERROR_INVALID_CONSTRAINT
+from tokenmill.tools.structured_workload import SCHEMAS
 
 pytestmark = [pytest.mark.kafka]
 
@@ -44,7 +44,7 @@ BAD_SCHEMA = {"type": "object", "properties": {"x": {"type": "strin"}}}
 
 @pytest.fixture(scope="module")
 def engine(tiny_llama_dir):
-    from worker.engine.engine import Engine, EngineConfig
+    from tokenmill.engine.engine import Engine, EngineConfig
 
     return Engine(EngineConfig(model=str(tiny_llama_dir), max_num_seqs=64, max_num_batched_tokens=1024,
                                kv_cache_gb=0.05))

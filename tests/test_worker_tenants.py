@@ -26,7 +26,7 @@ MAX_NUM_SEQS = 64
 
 @pytest.fixture(scope="module")
 def engine(tiny_llama_dir):
-    from worker.engine.engine import Engine, EngineConfig
+    from tokenmill.engine.engine import Engine, EngineConfig
 
     return Engine(EngineConfig(model=str(tiny_llama_dir), max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=1024,
                                kv_cache_gb=0.05))
@@ -72,8 +72,8 @@ async def fairness_run(bootstrap: str, model_dir, engine, monkeypatch, *, max_en
     of them, all produced before the worker starts; a fetch window and backpressure marks large
     enough that the small jobs are fetched while most of the backlog still waits. Returns when the
     small tenant's last job finished, as Result ranks and as shares of the run."""
-    from worker.kafka.backpressure import BackpressurePolicy
-    from worker.kafka.intake import Intake
+    from tokenmill.kafka.backpressure import BackpressurePolicy
+    from tokenmill.kafka.intake import Intake
 
     topics = await make_topics(bootstrap, "fair", partitions=1)
     bodies = _fair_jobs(n_big, n_small, small_at)

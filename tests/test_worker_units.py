@@ -7,17 +7,17 @@ import urllib.request
 
 import pytest
 
-from schemas.constants import DEAD_LETTER_HEADERS
-from worker.cli import build_parser
-from worker.cli.commands.worker import settings_from_args
-from worker.engine.types import FinishReason, RequestDelta, Timing, Usage
-from worker.kafka import answers
-from worker.kafka.backpressure import BackpressureGate, BackpressurePolicy
-from worker.kafka.guard import BadInputGuard, BadInputGuardTripped
-from worker.kafka.security import KafkaSecurity, Secret, read_secret
-from worker.kafka.tenants import TenantLimiter
-from worker.kafka.transactions import transactional_id
-from worker.metrics import HealthState, MetricsServer, WorkerMetrics
+from tokenmill.cli import build_parser
+from tokenmill.cli.commands.worker import settings_from_args
+from tokenmill.engine.types import FinishReason, RequestDelta, Timing, Usage
+from tokenmill.kafka import answers
+from tokenmill.kafka.backpressure import BackpressureGate, BackpressurePolicy
+from tokenmill.kafka.guard import BadInputGuard, BadInputGuardTripped
+from tokenmill.kafka.security import KafkaSecurity, Secret, read_secret
+from tokenmill.kafka.tenants import TenantLimiter
+from tokenmill.kafka.transactions import transactional_id
+from tokenmill.metrics import HealthState, MetricsServer, WorkerMetrics
+from tokenmill.schemas.constants import DEAD_LETTER_HEADERS
 
 
 # -- backpressure -------------------------------------------------------------------------------
@@ -216,7 +216,7 @@ def test_dead_letter_keeps_bytes_and_carries_contract_headers():
 
 
 def test_token_events_and_result_from_deltas():
-    from schemas.decode import decode_job
+    from tokenmill.schemas.decode import decode_job
 
     job = decode_job(b'{"job_id": "j1", "prompt": "hi", "stream": true, "metadata": {"a": 1}}')
     ev = json.loads(answers.token_event("j1", "w-1", 0, RequestDelta("r", [5, 6], "ab")))
@@ -235,7 +235,7 @@ def test_worker_settings_embed_the_engine_config_itself():
     # no second list of engine fields that could miss one.
     import typing
 
-    from worker.config import WorkerSettings
-    from worker.engine import EngineConfig
+    from tokenmill.config import WorkerSettings
+    from tokenmill.engine import EngineConfig
 
     assert typing.get_type_hints(WorkerSettings)["engine"] is EngineConfig

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
-from worker.kafka.admin import create_topic
+from tokenmill.kafka.admin import create_topic
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -150,8 +150,8 @@ async def wait_for(predicate: Callable[[], object], timeout: float, interval: fl
 # -- workers ---------------------------------------------------------------------------------------
 def worker_settings(bootstrap: str, topics: Topics, model_dir: str, **over):
     """Settings for an in-process worker, tuned for 2 CPU cores and quick tests."""
-    from worker.config import WorkerSettings
-    from worker.engine.config import EngineConfig
+    from tokenmill.config import WorkerSettings
+    from tokenmill.engine.config import EngineConfig
 
     s = WorkerSettings(
         bootstrap_servers=bootstrap,
@@ -168,8 +168,8 @@ def worker_settings(bootstrap: str, topics: Topics, model_dir: str, **over):
 @contextlib.asynccontextmanager
 async def running_worker(settings, engine):
     """An in-process KafkaWorker on a shared engine; stopped (drained) on exit."""
-    from worker.kafka.worker import KafkaWorker
-    from worker.logging import configure_logging
+    from tokenmill.kafka.worker import KafkaWorker
+    from tokenmill.logging import configure_logging
 
     configure_logging("WARNING")
     w = KafkaWorker(settings, engine=engine)
@@ -185,7 +185,7 @@ async def running_worker(settings, engine):
 
 
 def worker_command(bootstrap: str, topics: Topics, model_dir: str, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "worker.cli", "worker", "--bootstrap-servers", bootstrap, "--model", str(model_dir),
+    return [sys.executable, "-m", "tokenmill.cli", "worker", "--bootstrap-servers", bootstrap, "--model", str(model_dir),
             *topics.flags(), "--max-num-seqs", "64", "--max-num-batched-tokens", "1024", "--kv-cache-gb", "0.05",
             "--commit-interval", "0.2", "--session-timeout-ms", "6000", "--revoke-grace", "1",
             "--log-level", "WARNING", *extra]

@@ -88,11 +88,11 @@ def prefix_workload(vocab_size: int, num_requests: int = 128, seed: int = 0, spe
 def resolve_model(name: str) -> Path:
     """tiny-llama / smollm2 / a checkpoint directory -> a directory."""
     if name == "tiny-llama":
-        from tools.tiny_models import cached_tiny_model
+        from tokenmill.tools.tiny_models import cached_tiny_model
 
         return cached_tiny_model("tiny-llama")
     if name == "smollm2":
-        from tools.smollm2 import cached_smollm2
+        from tokenmill.tools.smollm2 import cached_smollm2
 
         return Path(cached_smollm2())
     path = Path(name)
@@ -126,7 +126,7 @@ class EngineRun:
 
 
 def _engine_requests(work: Workload, tag: str):
-    from worker.engine.types import EngineRequest, SamplingParams
+    from tokenmill.engine.types import EngineRequest, SamplingParams
 
     return [
         EngineRequest(
@@ -143,8 +143,8 @@ def run_engine(
 ) -> EngineRun:
     """The engine on `work` after a warm-up; `before_timed` runs after the warm-up, just before the
     clock starts (tools/scaling_ceiling.py lines up two processes' timed runs with it)."""
-    from worker.engine import Engine, EngineConfig
-    from worker.engine.engine import EngineMetrics
+    from tokenmill.engine import Engine, EngineConfig
+    from tokenmill.engine.engine import EngineMetrics
 
     engine = Engine(EngineConfig(model=str(model_dir), **engine_options))
     # Warm-up (allocator, kernels, plans): two short requests whose tokens share nothing with the work.
@@ -281,21 +281,21 @@ def run_bench(
     (context_len, continuation_len, memory_tokens, threads)."""
     if workload not in WORKLOADS:
         raise ValueError(f"unknown workload {workload!r}; choose one of {', '.join(WORKLOADS)}")
-    from worker.engine.model_config import load_model_config
+    from tokenmill.engine.model_config import load_model_config
 
     model_dir = resolve_model(model)
     options = dict(engine_options or {})
     mc = load_model_config(model_dir)
     special = set(mc.eos_token_ids)
     if workload == "score":
-        from tools.bench_score import run_score
+        from tokenmill.tools.bench_score import run_score
 
         return run_score(model, model_dir, mc, num_requests=num_requests, seed=seed, engine_options=options,
                          full_sweep=full_sweep, **(workload_options or {}))
     if workload_options:
         raise ValueError(f"workload_options are for the score workload, not {workload!r}")
     if workload == "n":
-        from tools.bench_n import run_n
+        from tokenmill.tools.bench_n import run_n
 
         return run_n(model, model_dir, mc, num_requests=num_requests, seed=seed, engine_options=options)
     if workload == "structured":
@@ -352,8 +352,8 @@ def run_bench(
 
 def _structured_report(model: str, model_dir: Path, mc, num_requests: int, seed: int,
                        options: dict[str, Any], repeats: int) -> dict[str, Any]:
-    from tools.bench_structured import run_structured
-    from tools.structured_workload import structured_workload
+    from tokenmill.tools.bench_structured import run_structured
+    from tokenmill.tools.structured_workload import structured_workload
 
     work = structured_workload(mc.vocab_size, num_requests, seed, special=set(mc.eos_token_ids))
     need = max(len(p) for p in work.prompts) + work.max_tokens
@@ -367,15 +367,15 @@ def _structured_report(model: str, model_dir: Path, mc, num_requests: int, seed:
 
 def format_table(report: dict[str, Any]) -> str:
     if report["workload"] == "score":
-        from tools.bench_score import format_score_table
+        from tokenmill.tools.bench_score import format_score_table
 
         return format_score_table(report)
     if report["workload"] == "n":
-        from tools.bench_n import format_n_table
+        from tokenmill.tools.bench_n import format_n_table
 
         return format_n_table(report)
     if report["workload"] == "structured":
-        from tools.bench_structured import format_structured_table
+        from tokenmill.tools.bench_structured import format_structured_table
 
         return format_structured_table(report)
     rows = [

@@ -42,11 +42,11 @@ def _jobs(work) -> list[bytes]:
 async def _through_kafka(bootstrap: str, model_dir: Path, work, engine_options: dict[str, Any]) -> dict[str, Any]:
     from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
-    from tools.bench import _engine_requests, warm_up_workload
-    from worker.config import WorkerSettings
-    from worker.engine import Engine, EngineConfig
-    from worker.kafka.admin import create_topic
-    from worker.kafka.worker import KafkaWorker
+    from tokenmill.config import WorkerSettings
+    from tokenmill.engine import Engine, EngineConfig
+    from tokenmill.kafka.admin import create_topic
+    from tokenmill.kafka.worker import KafkaWorker
+    from tokenmill.tools.bench import _engine_requests, warm_up_workload
 
     tag = os.urandom(4).hex()
     topics = {name: f"bench-{name}-{tag}" for name in ("jobs", "results", "tokens", "dlq")}
@@ -127,8 +127,8 @@ def run_kafka_bench(
     bootstrap: str | None = None,
 ) -> dict[str, Any]:
     """The `kafka` workload: returns a report dict (see the module docstring)."""
-    from tools.bench import mixed_workload, resolve_model, run_engine
-    from worker.engine.model_config import load_model_config
+    from tokenmill.engine.model_config import load_model_config
+    from tokenmill.tools.bench import mixed_workload, resolve_model, run_engine
 
     model_dir = resolve_model(model)
     options = dict(engine_options or {})
@@ -138,7 +138,7 @@ def run_kafka_bench(
 
     broker = None
     if bootstrap is None:
-        from worker.kafka.local_broker import LocalKafka, free_port
+        from tokenmill.kafka.local_broker import LocalKafka, free_port
 
         broker = LocalKafka(port=free_port(), data_dir=Path(tempfile.mkdtemp(prefix="tokenmill-bench-kafka-")),
                             controller_port=free_port())
@@ -204,7 +204,7 @@ if __name__ == "__main__":  # pragma: no cover - `python -m tools.bench_kafka [M
     import torch
 
     torch.set_num_threads(1)
-    from worker.logging import configure_logging
+    from tokenmill.logging import configure_logging
 
     configure_logging("WARNING")
     rep = run_kafka_bench(sys.argv[1] if len(sys.argv) > 1 else "tiny-llama",

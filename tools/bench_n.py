@@ -29,7 +29,7 @@ SEED_STRIDE = 1000
 
 
 def n_prompts(vocab_size: int, num_prompts: int, seed: int, special: set[int]) -> list[list[int]]:
-    from tools.bench import _token_range
+    from tokenmill.tools.bench import _token_range
 
     rng = random.Random(seed + 7)
     lo, hi = _token_range(vocab_size, special)
@@ -37,7 +37,7 @@ def n_prompts(vocab_size: int, num_prompts: int, seed: int, special: set[int]) -
 
 
 def _sampling(seed: int, n: int = 1):
-    from worker.engine.types import SamplingParams
+    from tokenmill.engine.types import SamplingParams
 
     # top_k 50: a seeded draw can only flip where a logit moved across a boundary between the 50
     # kept tokens, not between any two of a random model's near-uniform 32,000 (see docs/engine.md,
@@ -47,9 +47,9 @@ def _sampling(seed: int, n: int = 1):
 
 def _timed_run(model_dir: Path, options: dict[str, Any], requests) -> tuple[dict, float, int]:
     """(final deltas by id, wall seconds, prefill tokens computed) of one run on a fresh engine."""
-    from worker.engine import Engine, EngineConfig
-    from worker.engine.metrics import EngineMetrics
-    from worker.engine.types import EngineRequest
+    from tokenmill.engine import Engine, EngineConfig
+    from tokenmill.engine.metrics import EngineMetrics
+    from tokenmill.engine.types import EngineRequest
 
     engine = Engine(EngineConfig(model=str(model_dir), **options))
     engine.generate([EngineRequest(request_id="warm", prompt_token_ids=[1] * 40, sampling=_sampling(1, 2))])
@@ -68,7 +68,7 @@ def _timed_run(model_dir: Path, options: dict[str, Any], requests) -> tuple[dict
 def run_n(model: str, model_dir: Path, mc, *, num_requests: int | None, seed: int,
           engine_options: dict[str, Any], samples: int = SAMPLES) -> dict[str, Any]:
     """The `n` workload's report (num_requests: prompts, default 32)."""
-    from worker.engine.types import EngineRequest
+    from tokenmill.engine.types import EngineRequest
 
     prompts = n_prompts(mc.vocab_size, num_requests or NUM_PROMPTS, seed, set(mc.eos_token_ids))
     need = max(map(len, prompts)) + MAX_TOKENS

@@ -104,7 +104,7 @@ class ScoreWorkload:
 def score_workload(vocab_size: int, num_questions: int = NUM_QUESTIONS, seed: int = 0,
                    special: set[int] = frozenset(), context_len: tuple[int, int] = CONTEXT_LEN,
                    continuation_len: tuple[int, int] = CONTINUATION_LEN, choices: int = CHOICES) -> ScoreWorkload:
-    from tools.bench import _token_range
+    from tokenmill.tools.bench import _token_range
 
     if num_questions < 1:
         raise ValueError(f"the score workload needs at least one question, got {num_questions}")
@@ -151,7 +151,7 @@ def check_agreement(engine_sums: list[float], baseline_sums: list[float], tol: f
 
 
 def _score_requests(prompts: list[list[int]], score_from: list[int], tag: str, tenant: str | None = None):
-    from worker.engine.types import EngineRequest, SamplingParams
+    from tokenmill.engine.types import EngineRequest, SamplingParams
 
     return [
         EngineRequest(request_id=f"{tag}-{i}", prompt_token_ids=p, tenant=tenant,
@@ -176,8 +176,8 @@ def _finished_sums(results: dict, requests: list) -> list[float]:
 
 
 def run_engine_score(model_dir: Path, work: ScoreWorkload, engine_options: dict[str, Any]) -> dict[str, Any]:
-    from worker.engine import Engine, EngineConfig
-    from worker.engine.engine import EngineMetrics
+    from tokenmill.engine import Engine, EngineConfig
+    from tokenmill.engine.engine import EngineMetrics
 
     engine = Engine(EngineConfig(model=str(model_dir), **engine_options))
     # Warm-up in its own tenant, so nothing of it is a cache hit for the work.
@@ -276,8 +276,8 @@ def run_hf_score(model_dir: Path, work: ScoreWorkload, dtype: str, *, full_sweep
 
 def _model_allowing(model_dir: Path, positions: int) -> Path:
     """`model_dir`, or a cached copy of it whose config allows `positions` positions."""
-    from tools.tiny_models import build_once, cache_root
-    from worker.engine.model_config import load_model_config
+    from tokenmill.engine.model_config import load_model_config
+    from tokenmill.tools.tiny_models import build_once, cache_root
 
     if load_model_config(model_dir).max_model_len >= positions:
         return model_dir
@@ -302,8 +302,8 @@ def _model_allowing(model_dir: Path, positions: int) -> Path:
 
 def _kv_cache_gb_for(model_dir: Path, tokens: int, dtype: str, block_size: int) -> float:
     """A KV cache holding one sequence of `tokens` tokens, plus 4 blocks."""
-    from worker.engine.model_config import load_model_config
-    from worker.engine.model_runner import ModelRunner
+    from tokenmill.engine.model_config import load_model_config
+    from tokenmill.engine.model_runner import ModelRunner
 
     mc = load_model_config(model_dir, dtype)
     blocks = math.ceil(tokens / block_size) + 4
@@ -316,16 +316,16 @@ def _memory_child(mode: str, model_dir: str, tokens: int, options: dict[str, Any
     (loaded), and report this process's peak RSS."""
     import torch
 
-    from worker.engine import Engine, EngineConfig
-    from worker.engine.model_config import load_model_config
-    from worker.engine.types import EngineRequest, SamplingParams
+    from tokenmill.engine import Engine, EngineConfig
+    from tokenmill.engine.model_config import load_model_config
+    from tokenmill.engine.types import EngineRequest, SamplingParams
 
     torch.set_num_threads(int(options.pop("threads", 1)))
     engine = Engine(EngineConfig(model=model_dir, **options))
     out: dict[str, Any] = {"mode": mode}
     if mode != "loaded":
         mc = load_model_config(Path(model_dir))
-        from tools.bench import _token_range
+        from tokenmill.tools.bench import _token_range
 
         lo, hi = _token_range(mc.vocab_size, set(mc.eos_token_ids))
         rng = random.Random(seed + 3)
@@ -366,7 +366,7 @@ def memory_figure(model_dir: Path, engine_options: dict[str, Any], tokens: int =
     # depend on its speed.
     procs = {}
     for mode in ("loaded", "plain", "scored"):
-        cmd = [sys.executable, "-m", "tools.bench_score", "--memory-child", mode, "--model-dir", str(run_dir),
+        cmd = [sys.executable, "-m", "tokenmill.tools.bench_score", "--memory-child", mode, "--model-dir", str(run_dir),
                "--tokens", str(tokens), "--seed", str(seed),
                "--options", json.dumps({**options, "threads": threads})]
         procs[mode] = subprocess.Popen(cmd, env=env, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

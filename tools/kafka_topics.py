@@ -15,7 +15,7 @@ async def topic_partitions(consumer, topic: str) -> list[int]:
     parts = cluster.partitions_for_topic(topic)
     if not parts:
         # A topic this principal may not describe is left out of the list, as if it did not exist.
-        from worker.kafka.security import check_topic_access
+        from tokenmill.kafka.security import check_topic_access
 
         await check_topic_access(consumer._client, {topic: "READ"})
         raise ValueError(f"topic {topic!r} does not exist (create it first; see deploy/TOPICS.md)")

@@ -84,7 +84,7 @@ def job_value(job) -> bytes:
 
 def parse_lines(lines: Iterable[bytes], template: str) -> Iterator[tuple[int, Any, str | None, str | None]]:
     """(line number, Job or None, topic, error message) for each non-blank line."""
-    from schemas import JobDecodeError, read_input_line
+    from tokenmill.schemas import JobDecodeError, read_input_line
 
     for line_no, raw in enumerate(lines, 1):
         if not raw.strip():
@@ -146,7 +146,7 @@ async def produce(
     from aiokafka import AIOKafkaProducer
     from tqdm import tqdm
 
-    from worker.kafka.security import start_checked
+    from tokenmill.kafka.security import start_checked
 
     if key not in KEY_MODES:
         raise ValueError(f"--key must be one of {', '.join(KEY_MODES)}")

@@ -88,16 +88,16 @@ def _patch(stack: ExitStack, owner: Any, name: str, wrapper: Callable[[Callable]
 def _instrument(stack: ExitStack, timer: PartTimer) -> None:
     import torch.nn.functional as F
 
-    from worker.engine import cpu_amx_gemm, cpu_gemm
-    from worker.engine import engine as engine_module
-    from worker.engine.attention import cpu_amx_prefill, cpu_decode_kernel
-    from worker.engine.attention.torch_backend import TorchAttentionBackend
-    from worker.engine.detokenizer import IncrementalDetokenizer
-    from worker.engine.model_runner import ModelRunner
-    from worker.engine.models import decoder as decoder_module
-    from worker.engine.models import ops as ops_module
-    from worker.engine.models.decoder import DecoderForCausalLM
-    from worker.engine.scheduler import Scheduler
+    from tokenmill.engine import cpu_amx_gemm, cpu_gemm
+    from tokenmill.engine import engine as engine_module
+    from tokenmill.engine.attention import cpu_amx_prefill, cpu_decode_kernel
+    from tokenmill.engine.attention.torch_backend import TorchAttentionBackend
+    from tokenmill.engine.detokenizer import IncrementalDetokenizer
+    from tokenmill.engine.model_runner import ModelRunner
+    from tokenmill.engine.models import decoder as decoder_module
+    from tokenmill.engine.models import ops as ops_module
+    from tokenmill.engine.models.decoder import DecoderForCausalLM
+    from tokenmill.engine.scheduler import Scheduler
 
     def linear_part(parents: list[str]) -> str:
         return "LM head" if "LM head" in parents else "GEMM"
@@ -167,9 +167,9 @@ def profile_once(model: str, threads: int, num_requests: int, seed: int = 0, kv_
     import torch
 
     torch.set_num_threads(threads)
-    from tools.bench import _engine_requests, mixed_workload, resolve_model, warm_up_workload
-    from worker.engine import Engine, EngineConfig
-    from worker.engine.model_config import load_model_config
+    from tokenmill.engine import Engine, EngineConfig
+    from tokenmill.engine.model_config import load_model_config
+    from tokenmill.tools.bench import _engine_requests, mixed_workload, resolve_model, warm_up_workload
 
     model_dir = resolve_model(model)
     mc = load_model_config(model_dir)
@@ -224,7 +224,7 @@ def profile_once(model: str, threads: int, num_requests: int, seed: int = 0, kv_
 
 def _child(model: str, threads: int, num_requests: int, kv_cache_gb: float) -> dict[str, Any]:
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-    cmd = [sys.executable, "-m", "tools.profile_step", "--model", model, "--threads", str(threads),
+    cmd = [sys.executable, "-m", "tokenmill.tools.profile_step", "--model", model, "--threads", str(threads),
            "--num-requests", str(num_requests), "--kv-cache-gb", str(kv_cache_gb), "--child"]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if out.returncode != 0:

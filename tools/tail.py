@@ -109,7 +109,7 @@ async def follow(
     """Yield each record of `topic` as a dict (undecodable records are reported and skipped)."""
     from aiokafka import AIOKafkaConsumer, TopicPartition
 
-    from worker.kafka.security import start_checked
+    from tokenmill.kafka.security import start_checked
 
     consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap_servers, group_id=None, enable_auto_commit=False,
                                 isolation_level="read_committed", **(kafka_options or {}))
@@ -117,7 +117,7 @@ async def follow(
     # topic_partitions or from a fetch.
     await start_checked(consumer, bootstrap_servers, kafka_options or {})
     try:
-        from tools.kafka_topics import topic_partitions
+        from tokenmill.tools.kafka_topics import topic_partitions
 
         tps = [TopicPartition(topic, p) for p in await topic_partitions(consumer, topic)]
         consumer.assign(tps)

@@ -1,1 +1,1 @@
-"""tokenmill worker: the inference engine (worker.engine) and the Kafka side around it."""
+"""tokenmill worker: the inference engine (tokenmill.engine) and the Kafka side around it."""

@@ -1,6 +1,6 @@
 """Offline batch inference: a JSONL file of Jobs (or OpenAI batch lines) through the engine.
 
-Input is streamed into worker.offline.OfflineRunner, which keeps at most ``max_in_flight``
+Input is streamed into tokenmill.offline.OfflineRunner, which keeps at most ``max_in_flight``
 requests in the engine; output lines are written as soon as every earlier line is done, so
 memory stays bounded by the in-flight window, not by the file. A line that cannot run (bad JSON,
 a schema violation, a wrong ``model``, a request the engine refuses) gets an error Result in its
@@ -17,7 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from schemas import (
+from tokenmill.job_mapping import error_result, new_attempt_id
+from tokenmill.offline import OfflineRunner
+from tokenmill.schemas import (
     CHAT_COMPLETIONS_URL,
     COMPLETIONS_URL,
     ERROR_INVALID_JOB,
@@ -28,9 +30,7 @@ from schemas import (
     openai_output_refusal,
     read_input_line,
 )
-from schemas.job import Job
-from worker.job_mapping import error_result, new_attempt_id
-from worker.offline import OfflineRunner
+from tokenmill.schemas.job import Job
 
 JOB_ID_MAX_CHARS = 256
 OUTPUT_FORMATS = ("tokenmill", "openai")
@@ -113,7 +113,7 @@ class BatchRunner:
 
     def _echo_head(self, job: Job) -> list[str]:
         """The token texts of the prompt before score_from: the echoed head that has no logprob."""
-        from worker.engine.tokenizer import encode_request
+        from tokenmill.engine.tokenizer import encode_request
 
         tokenizer = self.offline.engine.tokenizer
         ids = encode_request(tokenizer, prompt=job.prompt, messages=job.messages,

@@ -9,9 +9,9 @@ import os
 import socket
 from dataclasses import dataclass, field
 
-from worker.engine.config import EngineConfig
-from worker.kafka.backpressure import BackpressurePolicy
-from worker.kafka.security import KafkaSecurity
+from tokenmill.engine.config import EngineConfig
+from tokenmill.kafka.backpressure import BackpressurePolicy
+from tokenmill.kafka.security import KafkaSecurity
 
 
 @dataclass

@@ -11,7 +11,15 @@ import secrets
 import time
 from typing import Any, cast
 
-from schemas import (
+from tokenmill.engine.types import (
+    EngineRequest,
+    ErrorKind,
+    FinishReason,
+    RequestDelta,
+    SamplingParams,
+    TokenLogprob,
+)
+from tokenmill.schemas import (
     ERROR_CODES,
     ERROR_INTERNAL,
     ERROR_INVALID_CONSTRAINT,
@@ -25,21 +33,13 @@ from schemas import (
     Result,
     Source,
 )
-from schemas import Choice as ChoiceRecord
-from schemas import PromptLogprob as PromptLogprobRecord
-from schemas import Timing as TimingRecord
-from schemas import TokenLogprob as TokenLogprobRecord
-from schemas import TopLogprob as TopLogprobRecord
-from schemas import Usage as UsageRecord
-from schemas.constants import ErrorCode
-from worker.engine.types import (
-    EngineRequest,
-    ErrorKind,
-    FinishReason,
-    RequestDelta,
-    SamplingParams,
-    TokenLogprob,
-)
+from tokenmill.schemas import Choice as ChoiceRecord
+from tokenmill.schemas import PromptLogprob as PromptLogprobRecord
+from tokenmill.schemas import Timing as TimingRecord
+from tokenmill.schemas import TokenLogprob as TokenLogprobRecord
+from tokenmill.schemas import TopLogprob as TopLogprobRecord
+from tokenmill.schemas import Usage as UsageRecord
+from tokenmill.schemas.constants import ErrorCode
 
 
 def job_to_engine_request(

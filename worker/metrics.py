@@ -21,7 +21,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from worker.engine.types import EngineStats, Timing
+from tokenmill.engine.types import EngineStats, Timing
 
 _LATENCY_BUCKETS_MS = (5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000, 60000, 120000)
 _TPOT_BUCKETS_MS = (1, 2, 5, 10, 20, 35, 50, 75, 100, 150, 250, 500, 1000, 2500)

@@ -12,7 +12,7 @@ window, not by the input.
 Every job gets exactly one Result:
 - the engine refuses the request (``add`` raises ValueError): ``add`` returns an error Result
   (``invalid_job``) at once and the job never enters the window;
-- the request finishes: ``worker.job_mapping.build_result`` of its final delta (ok, expired or
+- the request finishes: ``tokenmill.job_mapping.build_result`` of its final delta (ok, expired or
   error, with the code the delta's error kind maps to);
 - an outcome the contract cannot express, or the engine idle with requests of ours still in it
   (which cannot happen; the runner never hangs on it): an error Result ``internal``.
@@ -23,8 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from schemas import ERROR_INTERNAL, ERROR_INVALID_JOB, Job, Result
-from worker.job_mapping import build_result, error_result, job_to_engine_request, new_attempt_id
+from tokenmill.job_mapping import build_result, error_result, job_to_engine_request, new_attempt_id
+from tokenmill.schemas import ERROR_INTERNAL, ERROR_INVALID_JOB, Job, Result
 
 Tag = TypeVar("Tag")
 

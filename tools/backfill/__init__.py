@@ -6,8 +6,8 @@ offsets), output (ordered writer), config (settings, summary, defaults), backend
 of where jobs run), kafka_backend and local_backend (its two kinds), runner (the run).
 """
 
-from tools.backfill.config import BackfillConfig, BackfillIncomplete, Summary
-from tools.backfill.jobs import JobSpec
-from tools.backfill.runner import run_backfill, run_backfill_sync
+from tokenmill.tools.backfill.config import BackfillConfig, BackfillIncomplete, Summary
+from tokenmill.tools.backfill.jobs import JobSpec
+from tokenmill.tools.backfill.runner import run_backfill, run_backfill_sync
 
 __all__ = ["BackfillConfig", "BackfillIncomplete", "JobSpec", "Summary", "run_backfill", "run_backfill_sync"]

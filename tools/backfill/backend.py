@@ -12,8 +12,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from schemas import Job
-    from tools.backfill.store import ResultStore
+    from tokenmill.schemas import Job
+    from tokenmill.tools.backfill.store import ResultStore
 
 
 class Backend(ABC):

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tools.backfill.jobs import JobSpec
-from tools.backfill.output import OUTPUT_FORMATS
+from tokenmill.tools.backfill.jobs import JobSpec
+from tokenmill.tools.backfill.output import OUTPUT_FORMATS
 
 
 @dataclass
@@ -80,8 +80,8 @@ class BackfillIncomplete(RuntimeError):
 
 
 def default_state_path(output: str) -> Path:
-    from worker.storage import is_s3_url
-    from worker.storage.checkpoint import cache_root
+    from tokenmill.storage import is_s3_url
+    from tokenmill.storage.checkpoint import cache_root
 
     if is_s3_url(output):
         digest = hashlib.sha256(output.encode()).hexdigest()[:16]
@@ -102,6 +102,6 @@ def output_format_for(output: str, given: str | None) -> str:
 def dataset_identity(location: str, given: str | None) -> str:
     if given:
         return given
-    from worker.storage import is_s3_url
+    from tokenmill.storage import is_s3_url
 
     return location if is_s3_url(location) else str(Path(location).expanduser().resolve())

@@ -87,9 +87,9 @@ def check_compiles(sampling: dict[str, Any]) -> None:
     constraint = sampling.get("structured_outputs")
     if not constraint:
         return
-    from worker.engine.structured.backend import ConstraintError
-    from worker.engine.structured.llguidance_backend import check_without_tokenizer
-    from worker.engine.types import StructuredOutputsParams
+    from tokenmill.engine.structured.backend import ConstraintError
+    from tokenmill.engine.structured.llguidance_backend import check_without_tokenizer
+    from tokenmill.engine.types import StructuredOutputsParams
 
     try:
         check_without_tokenizer(StructuredOutputsParams(**constraint))

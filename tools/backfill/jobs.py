@@ -11,11 +11,11 @@ import string
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from tools.backfill.constraints import fingerprint_form
-from tools.backfill.identity import fingerprint
+from tokenmill.tools.backfill.constraints import fingerprint_form
+from tokenmill.tools.backfill.identity import fingerprint
 
 if TYPE_CHECKING:
-    from schemas import Job
+    from tokenmill.schemas import Job
 
 
 class RowError(ValueError):
@@ -76,7 +76,7 @@ class JobSpec:
         field the contract refuses)."""
         from pydantic import ValidationError
 
-        from schemas import Job, format_validation_error
+        from tokenmill.schemas import Job, format_validation_error
 
         try:
             return Job.model_validate(self.job_dict(job_id, row_number, row))
@@ -126,7 +126,7 @@ def normalized_sampling(sampling: dict[str, Any]) -> dict[str, Any]:
     (or an explicit default) fingerprint alike; invalid settings fail here, before any row."""
     from pydantic import ValidationError
 
-    from schemas import Sampling, format_validation_error
+    from tokenmill.schemas import Sampling, format_validation_error
 
     try:
         return Sampling.model_validate(sampling).model_dump(mode="json")

@@ -17,12 +17,12 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from tools.backfill.backend import Backend
-from tools.backfill.config import BackfillConfig
+from tokenmill.tools.backfill.backend import Backend
+from tokenmill.tools.backfill.config import BackfillConfig
 
 if TYPE_CHECKING:
-    from schemas import Job
-    from tools.backfill.store import ResultStore
+    from tokenmill.schemas import Job
+    from tokenmill.tools.backfill.store import ResultStore
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +60,8 @@ class KafkaBackend(Backend):
     async def start(self, store: ResultStore) -> str | None:
         from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
-        from tools.kafka_topics import topic_partitions
-        from worker.kafka.security import start_checked
+        from tokenmill.kafka.security import start_checked
+        from tokenmill.tools.kafka_topics import topic_partitions
 
         opts = dict(self.cfg.kafka_options)
         topic = self.cfg.results_topic

@@ -1,4 +1,4 @@
-"""The local backend: an engine in this process, driven by worker.offline.OfflineRunner (the
+"""The local backend: an engine in this process, driven by tokenmill.offline.OfflineRunner (the
 driver `run-batch` uses too). No Kafka; the same Jobs and the same Results as a worker's."""
 
 from __future__ import annotations
@@ -7,15 +7,15 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tools.backfill.backend import Backend
-from tools.backfill.config import BackfillConfig
-from tools.backfill.identity import fingerprint
-from tools.backfill.rows import WORKER_NAME
+from tokenmill.tools.backfill.backend import Backend
+from tokenmill.tools.backfill.config import BackfillConfig
+from tokenmill.tools.backfill.identity import fingerprint
+from tokenmill.tools.backfill.rows import WORKER_NAME
 
 if TYPE_CHECKING:
-    from schemas import Job
-    from tools.backfill.store import ResultStore
-    from worker.offline import OfflineRunner
+    from tokenmill.offline import OfflineRunner
+    from tokenmill.schemas import Job
+    from tokenmill.tools.backfill.store import ResultStore
 
 
 def model_identity(local_dir: Path) -> str:
@@ -37,7 +37,7 @@ class LocalBackend(Backend):
         self.runner: OfflineRunner[None] | None = None
 
     async def start(self, store: ResultStore) -> str:
-        from worker.storage import resolve_model_path
+        from tokenmill.storage import resolve_model_path
 
         self.local_dir = resolve_model_path(self.cfg.model_path)
         self.model_name = self.cfg.engine_options.get("served_model_name") or self.local_dir.name
@@ -47,8 +47,8 @@ class LocalBackend(Backend):
     def _runner(self) -> OfflineRunner[None]:
         """The engine, loaded on first use: a rerun with nothing left to do never loads the model."""
         if self.runner is None:
-            from worker.engine import Engine, EngineConfig
-            from worker.offline import OfflineRunner
+            from tokenmill.engine import Engine, EngineConfig
+            from tokenmill.offline import OfflineRunner
 
             options = {**self.cfg.engine_options, "served_model_name": self.model_name}
             engine = Engine(EngineConfig(model=str(self.local_dir), **options))

@@ -18,8 +18,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tools.backfill.constraints import OutputParser
-from tools.backfill.store import ResultStore, StoredRow
+from tokenmill.tools.backfill.constraints import OutputParser
+from tokenmill.tools.backfill.store import ResultStore, StoredRow
 
 OUTPUT_FORMATS = ("jsonl", "parquet", "openai")
 _PARQUET_ROWS_PER_GROUP = 8192
@@ -123,7 +123,7 @@ def write_output(
             _check(stored, expected_row)
             expected_row += 1
             if fmt == "openai":
-                from schemas import Result, openai_batch_output_line
+                from tokenmill.schemas import Result, openai_batch_output_line
 
                 line = openai_batch_output_line(
                     Result.model_validate(stored.result), "/v1/chat/completions" if stored.chat else "/v1/completions"

@@ -13,12 +13,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tools.backfill.datasets import iter_rows
-from tools.backfill.identity import fingerprint, job_id_for
-from tools.backfill.jobs import JobSpec, RowError
+from tokenmill.tools.backfill.datasets import iter_rows
+from tokenmill.tools.backfill.identity import fingerprint, job_id_for
+from tokenmill.tools.backfill.jobs import JobSpec, RowError
 
 if TYPE_CHECKING:
-    from schemas import Job
+    from tokenmill.schemas import Job
 
 PLAN_CHUNK_ROWS = 512
 WORKER_NAME = "backfill"
@@ -65,8 +65,8 @@ class RowPlanner:
 def jobs_for(rows: list[PlannedRow], spec: JobSpec, model_name: str) -> tuple[list[tuple[PlannedRow, Job]], list[dict]]:
     """Each row's validated Job; a row that cannot become one gets an error Result (invalid_job)
     right away, as a stored-result dict."""
-    from schemas import ERROR_INVALID_JOB
-    from worker.job_mapping import error_result, new_attempt_id
+    from tokenmill.job_mapping import error_result, new_attempt_id
+    from tokenmill.schemas import ERROR_INVALID_JOB
 
     jobs, errors = [], []
     for row in rows:

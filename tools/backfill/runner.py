@@ -14,8 +14,8 @@ import sys
 import time
 from pathlib import Path
 
-from tools.backfill.backend import Backend
-from tools.backfill.config import (
+from tokenmill.tools.backfill.backend import Backend
+from tokenmill.tools.backfill.config import (
     BackfillConfig,
     BackfillIncomplete,
     Summary,
@@ -23,12 +23,12 @@ from tools.backfill.config import (
     default_state_path,
     output_format_for,
 )
-from tools.backfill.constraints import OutputParser, check_compiles
-from tools.backfill.datasets import count_rows, detect_format
-from tools.backfill.identity import job_id_prefix
-from tools.backfill.output import write_output
-from tools.backfill.rows import RowPlanner, jobs_for
-from tools.backfill.store import ResultStore
+from tokenmill.tools.backfill.constraints import OutputParser, check_compiles
+from tokenmill.tools.backfill.datasets import count_rows, detect_format
+from tokenmill.tools.backfill.identity import job_id_prefix
+from tokenmill.tools.backfill.output import write_output
+from tokenmill.tools.backfill.rows import RowPlanner, jobs_for
+from tokenmill.tools.backfill.store import ResultStore
 
 
 class _Progress:
@@ -65,18 +65,18 @@ class _Progress:
 
 def make_backend(cfg: BackfillConfig, dataset_id: str) -> Backend:
     if cfg.engine == "local":
-        from tools.backfill.local_backend import LocalBackend
+        from tokenmill.tools.backfill.local_backend import LocalBackend
 
         return LocalBackend(cfg)
     if cfg.engine == "kafka":
-        from tools.backfill.kafka_backend import KafkaBackend
+        from tokenmill.tools.backfill.kafka_backend import KafkaBackend
 
         return KafkaBackend(cfg, job_id_prefix(dataset_id))
     raise ValueError(f"--engine must be kafka or local, not {cfg.engine!r}")
 
 
 async def run_backfill(cfg: BackfillConfig) -> Summary:
-    from worker.storage import local_input, local_output
+    from tokenmill.storage import local_input, local_output
 
     started = time.monotonic()
     check_compiles(cfg.spec.sampling)  # a constraint that fails every row fails the run instead

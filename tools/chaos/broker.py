@@ -11,7 +11,7 @@ import asyncio
 import os
 from pathlib import Path
 
-from worker.kafka.local_broker import LocalKafka, LocalKafkaError, free_port
+from tokenmill.kafka.local_broker import LocalKafka, LocalKafkaError, free_port
 
 
 class Broker:

@@ -23,8 +23,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tools.chaos import DEFAULT_WORKER_ARGS
-from worker.kafka.local_broker import free_port
+from tokenmill.kafka.local_broker import free_port
+from tokenmill.tools.chaos import DEFAULT_WORKER_ARGS
 
 _REPO = Path(__file__).resolve().parents[2]
 
@@ -94,7 +94,7 @@ class Fleet:
     _count: int = 0
 
     def command(self, port: int) -> list[str]:
-        return [sys.executable, "-m", "worker.cli", "worker", "--bootstrap-servers", self.bootstrap,
+        return [sys.executable, "-m", "tokenmill.cli", "worker", "--bootstrap-servers", self.bootstrap,
                 "--model", self.model, *self.topic_flags, *shlex.split(self.worker_args),
                 "--metrics-port", str(port), "--log-level", "INFO"]
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
-from worker.kafka.admin import create_topic
+from tokenmill.kafka.admin import create_topic
 
 
 @dataclass(frozen=True)

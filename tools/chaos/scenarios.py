@@ -40,10 +40,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from tools.chaos import DEFAULT_WORKER_ARGS, NEEDS_OWN_BROKER, SCENARIOS
-from tools.chaos.broker import Broker
-from tools.chaos.fleet import Fleet, WorkerProc
-from tools.chaos.ledger import ChaosTopics, Ledger, make_jobs
+from tokenmill.tools.chaos import DEFAULT_WORKER_ARGS, NEEDS_OWN_BROKER, SCENARIOS
+from tokenmill.tools.chaos.broker import Broker
+from tokenmill.tools.chaos.fleet import Fleet, WorkerProc
+from tokenmill.tools.chaos.ledger import ChaosTopics, Ledger, make_jobs
 
 
 @dataclass
@@ -368,7 +368,7 @@ async def run_scenario(config: ChaosConfig, broker: Broker | None = None) -> Cha
     work_dir.mkdir(parents=True, exist_ok=True)
     model = config.model
     if model is None:
-        from tools.tiny_models import cached_tiny_model
+        from tokenmill.tools.tiny_models import cached_tiny_model
 
         model = str(cached_tiny_model("test-llama"))
     own = broker is None

@@ -33,13 +33,13 @@ to --out, else $OUT, else ./gpu_check_out. --dry-run takes the same code path on
 sizes (Triton kernels under the interpreter) so the test suite keeps this command working.
 """
 
-from tools.gpu_check.copy_bandwidth import section_copy_bandwidth
-from tools.gpu_check.engine_path import gpu_path_options, gpu_path_report
-from tools.gpu_check.environment import section_environment
-from tools.gpu_check.report import headline, markdown_report
-from tools.gpu_check.roofline import llama_param_count, roofline_ceiling
-from tools.gpu_check.runner import SECTIONS, main
-from tools.gpu_check.sizes import TOY_LLAMA, Sizes, dry_sizes, gpu_sizes
+from tokenmill.tools.gpu_check.copy_bandwidth import section_copy_bandwidth
+from tokenmill.tools.gpu_check.engine_path import gpu_path_options, gpu_path_report
+from tokenmill.tools.gpu_check.environment import section_environment
+from tokenmill.tools.gpu_check.report import headline, markdown_report
+from tokenmill.tools.gpu_check.roofline import llama_param_count, roofline_ceiling
+from tokenmill.tools.gpu_check.runner import SECTIONS, main
+from tokenmill.tools.gpu_check.sizes import TOY_LLAMA, Sizes, dry_sizes, gpu_sizes
 
 _headline = headline  # the name tests/test_gpu_path.py reads the report line by
 

@@ -2,6 +2,6 @@
 
 import sys
 
-from tools.gpu_check.runner import main
+from tokenmill.tools.gpu_check.runner import main
 
 sys.exit(main())

@@ -6,16 +6,16 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from tools.gpu_check.timing import dtype_of, time_kernel_ms
+from tokenmill.tools.gpu_check.timing import dtype_of, time_kernel_ms
 
 if TYPE_CHECKING:
-    from tools.gpu_check.context import Context
+    from tokenmill.tools.gpu_check.context import Context
 
 
 def section_attention(ctx: Context) -> dict:
     import torch
 
-    from kernels.paged_attention import paged_attention
+    from tokenmill.kernels.paged_attention import paged_attention
 
     copy_bw = ctx.copy_bandwidth()
     heads, kv_heads, head_dim = ctx.sizes.attention_heads

@@ -10,7 +10,7 @@ def build_checkpoint(shape: dict, dtype_name: str, device, out_dir: Path) -> Pat
     a folder that already holds one is reused."""
     import torch
 
-    from tools.tiny_models import build_tiny_model
+    from tokenmill.tools.tiny_models import build_tiny_model
 
     if (out_dir / "config.json").exists():
         return out_dir

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tools.gpu_check.checkpoints import build_checkpoint
-from tools.gpu_check.copy_bandwidth import section_copy_bandwidth
-from tools.gpu_check.sizes import Sizes
+from tokenmill.tools.gpu_check.checkpoints import build_checkpoint
+from tokenmill.tools.gpu_check.copy_bandwidth import section_copy_bandwidth
+from tokenmill.tools.gpu_check.sizes import Sizes
 
 
 @dataclass

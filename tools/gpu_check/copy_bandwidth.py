@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from tools.gpu_check.timing import time_kernel_ms
+from tokenmill.tools.gpu_check.timing import time_kernel_ms
 
 if TYPE_CHECKING:
-    from tools.gpu_check.context import Context
+    from tokenmill.tools.gpu_check.context import Context
 
 
 def section_copy_bandwidth(ctx: Context) -> dict:

@@ -6,16 +6,16 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from tools.gpu_check.roofline import param_bytes
-from tools.gpu_check.timing import time_ms
+from tokenmill.tools.gpu_check.roofline import param_bytes
+from tokenmill.tools.gpu_check.timing import time_ms
 
 if TYPE_CHECKING:
-    from tools.gpu_check.context import Context
+    from tokenmill.tools.gpu_check.context import Context
 
 
 def _load_engine_model(ctx: Context):
-    from worker.engine.attention.triton_backend import TritonAttentionBackend
-    from worker.engine.loader import load_model
+    from tokenmill.engine.attention.triton_backend import TritonAttentionBackend
+    from tokenmill.engine.loader import load_model
 
     return load_model(ctx.model_dir(), dtype=ctx.sizes.model_dtype, device=ctx.device,
                       attention_backend=TritonAttentionBackend())
@@ -24,8 +24,8 @@ def _load_engine_model(ctx: Context):
 def section_decode_step(ctx: Context) -> dict:
     import torch
 
-    from worker.engine.attention import AttentionMetadata
-    from worker.engine.cuda_graphs import DecodeGraphRunner
+    from tokenmill.engine.attention import AttentionMetadata
+    from tokenmill.engine.cuda_graphs import DecodeGraphRunner
 
     copy_bw = ctx.copy_bandwidth()
     model, config = _load_engine_model(ctx)

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from tools.gpu_check.context import Context
+    from tokenmill.tools.gpu_check.context import Context
 
 
 def gpu_path_options(device) -> dict:
@@ -30,6 +30,6 @@ def engine_options(ctx: Context) -> dict[str, Any]:
 
 
 def make_engine(ctx: Context, model_dir: Path):
-    from worker.engine import Engine, EngineConfig
+    from tokenmill.engine import Engine, EngineConfig
 
     return Engine(EngineConfig(model=str(model_dir), **engine_options(ctx)))

@@ -7,7 +7,7 @@ import platform
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from tools.gpu_check.context import Context
+    from tokenmill.tools.gpu_check.context import Context
 
 
 def section_environment(ctx: Context) -> dict:

@@ -6,12 +6,12 @@ from __future__ import annotations
 import random
 from typing import TYPE_CHECKING
 
-from tools.gpu_check.checkpoints import build_checkpoint
-from tools.gpu_check.context import release_memory
-from tools.gpu_check.engine_path import gpu_path_options, gpu_path_report
+from tokenmill.tools.gpu_check.checkpoints import build_checkpoint
+from tokenmill.tools.gpu_check.context import release_memory
+from tokenmill.tools.gpu_check.engine_path import gpu_path_options, gpu_path_report
 
 if TYPE_CHECKING:
-    from tools.gpu_check.context import Context
+    from tokenmill.tools.gpu_check.context import Context
 
 
 def section_fidelity(ctx: Context) -> dict:
@@ -27,7 +27,7 @@ def section_fidelity(ctx: Context) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from worker.engine import Engine, EngineConfig, EngineRequest, SamplingParams
+    from tokenmill.engine import Engine, EngineConfig, EngineRequest, SamplingParams
 
     sizes = ctx.sizes
     model_dir = build_checkpoint(sizes.fidelity_shape, "float32", ctx.device, ctx.workdir / "fidelity_model")

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from tools.gpu_check.timing import dtype_of
+from tokenmill.tools.gpu_check.timing import dtype_of
 
 if TYPE_CHECKING:
-    from tools.gpu_check.context import Context
+    from tokenmill.tools.gpu_check.context import Context
 
 
 def section_kernels(ctx: Context) -> dict:
-    from kernels.checks import ATTENTION_CASES, GPU_ATTENTION_CASES, run_all
+    from tokenmill.kernels.checks import ATTENTION_CASES, GPU_ATTENTION_CASES, run_all
 
     cases = ATTENTION_CASES + (GPU_ATTENTION_CASES if ctx.sizes.gpu_kernel_cases else [])
     if ctx.sizes.dry_run:

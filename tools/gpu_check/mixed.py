@@ -5,19 +5,19 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from tools.gpu_check.context import release_memory
-from tools.gpu_check.engine_path import engine_options, gpu_path_options
+from tokenmill.tools.gpu_check.context import release_memory
+from tokenmill.tools.gpu_check.engine_path import engine_options, gpu_path_options
 
 if TYPE_CHECKING:
-    from tools.gpu_check.context import Context
+    from tokenmill.tools.gpu_check.context import Context
 
 
 def section_mixed(ctx: Context) -> dict:
     """The workload, the engine run and the baseline come from tools/bench.py; the baseline's batch
     is the best of {8, 32, 64} on the first 64 requests (bench's calibration rule), then it runs the
     whole workload. The dry run clips prompts and outputs to toy lengths."""
-    from tools import bench
-    from worker.engine.model_config import load_model_config
+    from tokenmill.engine.model_config import load_model_config
+    from tokenmill.tools import bench
 
     sizes = ctx.sizes
     model_dir = ctx.model_dir()

@@ -15,18 +15,18 @@ from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
-from tools.gpu_check.attention import section_attention
-from tools.gpu_check.context import Context, run_section
-from tools.gpu_check.copy_bandwidth import section_copy_bandwidth
-from tools.gpu_check.decode_step import section_decode_step
-from tools.gpu_check.environment import section_environment
-from tools.gpu_check.fidelity import section_fidelity
-from tools.gpu_check.kernel_checks import section_kernels
-from tools.gpu_check.mixed import section_mixed
-from tools.gpu_check.report import markdown_report
-from tools.gpu_check.sizes import dry_sizes, gpu_sizes
-from tools.gpu_check.structured import section_structured
-from tools.gpu_check.throughput import section_throughput
+from tokenmill.tools.gpu_check.attention import section_attention
+from tokenmill.tools.gpu_check.context import Context, run_section
+from tokenmill.tools.gpu_check.copy_bandwidth import section_copy_bandwidth
+from tokenmill.tools.gpu_check.decode_step import section_decode_step
+from tokenmill.tools.gpu_check.environment import section_environment
+from tokenmill.tools.gpu_check.fidelity import section_fidelity
+from tokenmill.tools.gpu_check.kernel_checks import section_kernels
+from tokenmill.tools.gpu_check.mixed import section_mixed
+from tokenmill.tools.gpu_check.report import markdown_report
+from tokenmill.tools.gpu_check.sizes import dry_sizes, gpu_sizes
+from tokenmill.tools.gpu_check.structured import section_structured
+from tokenmill.tools.gpu_check.throughput import section_throughput
 
 DESCRIPTION = "One prepared command that measures tokenmill's GPU path and writes a JSON and a markdown report."
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from tools.gpu_check.engine_path import engine_options, gpu_path_report
+from tokenmill.tools.gpu_check.engine_path import engine_options, gpu_path_report
 
 if TYPE_CHECKING:
-    from tools.gpu_check.context import Context
+    from tokenmill.tools.gpu_check.context import Context
 
 
 def section_structured(ctx: Context) -> dict:
@@ -21,9 +21,9 @@ def section_structured(ctx: Context) -> dict:
     and the output checks. The figures are reported as measured; the section fails (ok False) only
     when an output breaks its constraint: a "stop" output that does not validate, whitespace outside
     strings, a constraint that did not compile, or a request that did not finish."""
-    from tools.bench_structured import run_structured
-    from tools.structured_workload import structured_workload
-    from worker.engine.model_config import load_model_config
+    from tokenmill.engine.model_config import load_model_config
+    from tokenmill.tools.bench_structured import run_structured
+    from tokenmill.tools.structured_workload import structured_workload
 
     sizes = ctx.sizes
     model_dir = ctx.model_dir()

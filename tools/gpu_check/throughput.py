@@ -7,18 +7,18 @@ import random
 import time
 from typing import TYPE_CHECKING
 
-from tools.gpu_check.engine_path import gpu_path_report, make_engine
-from tools.gpu_check.roofline import llama_param_count, roofline_ceiling
-from tools.gpu_check.timing import dtype_of, synchronize
+from tokenmill.tools.gpu_check.engine_path import gpu_path_report, make_engine
+from tokenmill.tools.gpu_check.roofline import llama_param_count, roofline_ceiling
+from tokenmill.tools.gpu_check.timing import dtype_of, synchronize
 
 if TYPE_CHECKING:
-    from tools.gpu_check.context import Context
+    from tokenmill.tools.gpu_check.context import Context
 
 
 def section_throughput(ctx: Context) -> dict:
     import torch
 
-    from worker.engine import EngineRequest, SamplingParams
+    from tokenmill.engine import EngineRequest, SamplingParams
 
     copy_bw = ctx.copy_bandwidth()
     rng = random.Random(2026)

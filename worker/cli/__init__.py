@@ -1,6 +1,6 @@
 """The `tokenmill` console command.
 
-Each subcommand lives in its own module under ``worker.cli.commands`` and exposes
+Each subcommand lives in its own module under ``tokenmill.cli.commands`` and exposes
 ``register(subparsers)``, which adds its parser and sets ``func`` (called with the parsed
 namespace; its return value is the exit code). Modules are discovered, so adding a command
 never touches this file.
@@ -19,7 +19,7 @@ import pkgutil
 import sys
 from collections.abc import Sequence
 
-from worker.cli import commands as _commands_pkg
+from tokenmill.cli import commands as _commands_pkg
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}

@@ -15,8 +15,8 @@ import typing
 from collections.abc import Callable, Collection
 from typing import Any
 
-from worker.engine.config import EngineConfig
-from worker.engine.fields import check_setting, describe_bounds
+from tokenmill.engine.config import EngineConfig
+from tokenmill.engine.fields import check_setting, describe_bounds
 
 ENGINE_GROUP_TITLE = "engine"
 

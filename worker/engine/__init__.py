@@ -5,8 +5,8 @@ Imports nothing from Kafka, pydantic schemas or boto3 (it must run alone on a GP
 
 from typing import TYPE_CHECKING
 
-from worker.engine.config import EngineConfig
-from worker.engine.types import (
+from tokenmill.engine.config import EngineConfig
+from tokenmill.engine.types import (
     EngineRequest,
     EngineStats,
     ErrorKind,
@@ -35,13 +35,13 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from worker.engine.engine import Engine
+    from tokenmill.engine.engine import Engine
 
 
 def __getattr__(name: str):
-    # Engine pulls in torch; loading it lazily keeps `import worker.engine.types` (and the CLI) light.
+    # Engine pulls in torch; loading it lazily keeps `import tokenmill.engine.types` (and the CLI) light.
     if name == "Engine":
-        from worker.engine import engine
+        from tokenmill.engine import engine
 
         return getattr(engine, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from worker.engine.fields import problems_of, setting
+from tokenmill.engine.fields import problems_of, setting
 
 # CPU has no "free accelerator memory" to take a fraction of: the KV cache gets this much.
 CPU_DEFAULT_KV_GB = 2.0

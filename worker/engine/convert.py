@@ -16,12 +16,12 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from worker.engine.model_config import CheckpointError
+from tokenmill.engine.model_config import CheckpointError
 
 log = logging.getLogger(__name__)
 
 GGUF_MAGIC = b"GGUF"
-SERVABLE_MODEL_TYPES = ("llama", "qwen2", "qwen3")  # what worker.engine.models implements
+SERVABLE_MODEL_TYPES = ("llama", "qwen2", "qwen3")  # what tokenmill.engine.models implements
 SHARD_BYTES = 4 * 1024**3
 
 

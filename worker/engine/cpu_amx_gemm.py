@@ -39,8 +39,8 @@ from typing import NamedTuple
 
 import torch
 
-from worker.engine.c_build import OnDemandLibrary
-from worker.engine.switches import switch
+from tokenmill.engine.c_build import OnDemandLibrary
+from tokenmill.engine.switches import switch
 
 log = logging.getLogger(__name__)
 

@@ -24,10 +24,10 @@ import logging
 
 import torch
 
-from worker.engine import cpu_amx_gemm, cpu_elementwise
-from worker.engine.attention import cpu_decode_kernel
-from worker.engine.c_build import OnDemandLibrary
-from worker.engine.switches import switch
+from tokenmill.engine import cpu_amx_gemm, cpu_elementwise
+from tokenmill.engine.attention import cpu_decode_kernel
+from tokenmill.engine.c_build import OnDemandLibrary
+from tokenmill.engine.switches import switch
 
 log = logging.getLogger(__name__)
 

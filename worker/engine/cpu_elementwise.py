@@ -32,8 +32,8 @@ import threading
 
 import torch
 
-from worker.engine.c_build import OnDemandLibrary
-from worker.engine.switches import switch
+from tokenmill.engine.c_build import OnDemandLibrary
+from tokenmill.engine.switches import switch
 
 log = logging.getLogger(__name__)
 
@@ -253,7 +253,7 @@ def _lanes(lib, n: int) -> int | None:
     with _lock:
         if n in _lanes_for_size:
             return _lanes_for_size[n]
-        from worker.engine.layers import rms_norm
+        from tokenmill.engine.layers import rms_norm
 
         gen = torch.Generator().manual_seed(n)
         # Rows of very different scales, where a change of summation order shows in the last bit.

@@ -39,8 +39,8 @@ import threading
 import torch
 import torch.nn.functional as F
 
-from worker.engine import cpu_amx_gemm
-from worker.engine.switches import switch
+from tokenmill.engine import cpu_amx_gemm
+from tokenmill.engine.switches import switch
 
 log = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 
 import torch
 
-from worker.engine.attention import AttentionMetadata
+from tokenmill.engine.attention import AttentionMetadata
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 

@@ -38,24 +38,35 @@ from dataclasses import replace
 from operator import attrgetter
 from pathlib import Path
 
-from worker.engine.block_manager import BlockManager
-from worker.engine.config import EngineConfig
-from worker.engine.cpu_step_parts import StepPartPool, default_parts, head_weight, key_weight, layer_params
-from worker.engine.cpu_threads import apply_cpu_threads
-from worker.engine.fault_isolation import FaultIsolation, StepFault, blame, describe
-from worker.engine.host_memory import keep_freed_memory, large_tensors_on_huge_pages
-from worker.engine.metrics import EngineMetrics
-from worker.engine.model_runner import ModelRunner
-from worker.engine.outputs import final_delta, token_delta, token_logprobs
-from worker.engine.overlap import LaunchedStep, Overlap, launch_sampling
-from worker.engine.request import Request, RequestStatus
-from worker.engine.sample_groups import SampleGroup, check_group_params, end_unforked, fork_choices, new_group
-from worker.engine.sampler import SampledToken
-from worker.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from worker.engine.sizing import resolve_async_scheduling, resolve_device, resolve_graph_mode, size_kv_cache
-from worker.engine.stop_rule import check_stop, is_stop_token, stop_strings_count
-from worker.engine.structured.constraints import Constraints
-from worker.engine.types import (
+from tokenmill.engine.block_manager import BlockManager
+from tokenmill.engine.config import EngineConfig
+from tokenmill.engine.cpu_step_parts import StepPartPool, default_parts, head_weight, key_weight, layer_params
+from tokenmill.engine.cpu_threads import apply_cpu_threads
+from tokenmill.engine.fault_isolation import FaultIsolation, StepFault, blame, describe
+from tokenmill.engine.host_memory import keep_freed_memory, large_tensors_on_huge_pages
+from tokenmill.engine.metrics import EngineMetrics
+from tokenmill.engine.model_runner import ModelRunner
+from tokenmill.engine.outputs import final_delta, token_delta, token_logprobs
+from tokenmill.engine.overlap import LaunchedStep, Overlap, launch_sampling
+from tokenmill.engine.request import Request, RequestStatus
+from tokenmill.engine.sample_groups import (
+    SampleGroup,
+    check_group_params,
+    end_unforked,
+    fork_choices,
+    new_group,
+)
+from tokenmill.engine.sampler import SampledToken
+from tokenmill.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from tokenmill.engine.sizing import (
+    resolve_async_scheduling,
+    resolve_device,
+    resolve_graph_mode,
+    size_kv_cache,
+)
+from tokenmill.engine.stop_rule import check_stop, is_stop_token, stop_strings_count
+from tokenmill.engine.structured.constraints import Constraints
+from tokenmill.engine.types import (
     EngineRequest,
     EngineStats,
     ErrorKind,
@@ -74,10 +85,10 @@ COMPILE_WAIT_S = 0.05
 
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
-        from worker.engine.attention import get_attention_backend
-        from worker.engine.loader import load_model
-        from worker.engine.sampler import Sampler
-        from worker.engine.tokenizer import load_tokenizer
+        from tokenmill.engine.attention import get_attention_backend
+        from tokenmill.engine.loader import load_model
+        from tokenmill.engine.sampler import Sampler
+        from tokenmill.engine.tokenizer import load_tokenizer
 
         self.config = config
         self.device = resolve_device(config.device)
@@ -168,7 +179,7 @@ class Engine:
         return len(self._encode(request))
 
     def _encode(self, request: EngineRequest) -> list[int]:
-        from worker.engine.tokenizer import encode_request
+        from tokenmill.engine.tokenizer import encode_request
 
         ids = encode_request(
             self.tokenizer,
@@ -181,7 +192,7 @@ class Engine:
     def add(self, request: EngineRequest) -> None:
         """Queue a request. Raises ValueError for a bad one; an over-long prompt finishes as ERROR.
         A `final_only` request gets no token deltas, only its final one (EngineRequest)."""
-        from worker.engine.detokenizer import IncrementalDetokenizer
+        from tokenmill.engine.detokenizer import IncrementalDetokenizer
 
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request_id {request.request_id!r}: it is still in the engine")

@@ -59,7 +59,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from worker.engine.request import Request, RequestStatus
+from tokenmill.engine.request import Request, RequestStatus
 
 
 class StepFault(Exception):

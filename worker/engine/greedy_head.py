@@ -43,9 +43,9 @@ import logging
 
 import torch
 
-from worker.engine import cpu_gemm
-from worker.engine.c_build import OnDemandLibrary
-from worker.engine.switches import switch
+from tokenmill.engine import cpu_gemm
+from tokenmill.engine.c_build import OnDemandLibrary
+from tokenmill.engine.switches import switch
 
 log = logging.getLogger(__name__)
 

@@ -43,7 +43,7 @@ import platform
 import sys
 from collections.abc import Mapping
 
-from worker.engine.switches import parse_switch
+from tokenmill.engine.switches import parse_switch
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ import math
 import torch
 from torch import nn
 
-from worker.engine.model_config import RopeConfig
+from tokenmill.engine.model_config import RopeConfig
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

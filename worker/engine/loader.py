@@ -12,9 +12,9 @@ from pathlib import Path
 
 import torch
 
-from worker.engine.attention import AttentionBackend
-from worker.engine.model_config import CheckpointError, ModelConfig, load_model_config, read_json
-from worker.engine.models import MODEL_CLASSES
+from tokenmill.engine.attention import AttentionBackend
+from tokenmill.engine.model_config import CheckpointError, ModelConfig, load_model_config, read_json
+from tokenmill.engine.models import MODEL_CLASSES
 
 log = logging.getLogger(__name__)
 

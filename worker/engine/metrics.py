@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from worker.engine.model_runner import StepInputs
-    from worker.engine.scheduler import SchedulerOutput
+    from tokenmill.engine.model_runner import StepInputs
+    from tokenmill.engine.scheduler import SchedulerOutput
 
 
 @dataclass

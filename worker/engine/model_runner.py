@@ -39,16 +39,16 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from worker.engine.attention import AttentionMetadata, OutputRows
-from worker.engine.cpu_step_parts import StepPartPool, plan_parts
-from worker.engine.cuda_graphs import DecodeGraphRunner, capture_sizes
-from worker.engine.host_memory import HUGE_PAGE
-from worker.engine.request import PENDING_TOKEN, Request
-from worker.engine.sampler import Sampler
-from worker.engine.scoring import ScoreRows, record_scores, score_rows
+from tokenmill.engine.attention import AttentionMetadata, OutputRows
+from tokenmill.engine.cpu_step_parts import StepPartPool, plan_parts
+from tokenmill.engine.cuda_graphs import DecodeGraphRunner, capture_sizes
+from tokenmill.engine.host_memory import HUGE_PAGE
+from tokenmill.engine.request import PENDING_TOKEN, Request
+from tokenmill.engine.sampler import Sampler
+from tokenmill.engine.scoring import ScoreRows, record_scores, score_rows
 
 if TYPE_CHECKING:
-    from worker.engine.scheduler import SchedulerOutput
+    from tokenmill.engine.scheduler import SchedulerOutput
 
 log = logging.getLogger(__name__)
 

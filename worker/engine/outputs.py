@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from worker.engine.request import Request
-from worker.engine.sampler import SampledToken
-from worker.engine.types import FinishReason, RequestDelta, Timing, TokenLogprob, Usage
+from tokenmill.engine.request import Request
+from tokenmill.engine.sampler import SampledToken
+from tokenmill.engine.types import FinishReason, RequestDelta, Timing, TokenLogprob, Usage
 
 
 def token_delta(req: Request, token_id: int, text: str, logprobs: list[TokenLogprob] | None) -> RequestDelta:

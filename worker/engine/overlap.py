@@ -26,10 +26,10 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.engine.model_runner import GreedyIds, PendingTokens
-from worker.engine.request import Request
-from worker.engine.sampler import SampledToken, Sampler, TokenMask, has_penalties
-from worker.engine.types import SamplingParams
+from tokenmill.engine.model_runner import GreedyIds, PendingTokens
+from tokenmill.engine.request import Request
+from tokenmill.engine.sampler import SampledToken, Sampler, TokenMask, has_penalties
+from tokenmill.engine.types import SamplingParams
 
 
 @dataclass

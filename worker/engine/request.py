@@ -8,9 +8,9 @@ import itertools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from worker.engine.block_manager import BlockState
-from worker.engine.sampler import SamplingInputs
-from worker.engine.types import (
+from tokenmill.engine.block_manager import BlockState
+from tokenmill.engine.sampler import SamplingInputs
+from tokenmill.engine.types import (
     EngineRequest,
     ErrorKind,
     FinishReason,
@@ -20,7 +20,7 @@ from worker.engine.types import (
 )
 
 if TYPE_CHECKING:
-    from worker.engine.detokenizer import IncrementalDetokenizer
+    from tokenmill.engine.detokenizer import IncrementalDetokenizer
 
 _arrival_counter = itertools.count()
 

@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from worker.engine.request import Request, RequestStatus
-from worker.engine.types import (
+from tokenmill.engine.request import Request, RequestStatus
+from tokenmill.engine.types import (
     ChoiceOutput,
     EngineRequest,
     FinishReason,
@@ -42,10 +42,10 @@ from worker.engine.types import (
 )
 
 if TYPE_CHECKING:
-    from worker.engine.block_manager import BlockManager
-    from worker.engine.model_runner import ModelRunner, StepInputs
-    from worker.engine.scheduler import Scheduler
-    from worker.engine.structured.constraints import Constraints, StepMask
+    from tokenmill.engine.block_manager import BlockManager
+    from tokenmill.engine.model_runner import ModelRunner, StepInputs
+    from tokenmill.engine.scheduler import Scheduler
+    from tokenmill.engine.structured.constraints import Constraints, StepMask
 
 # A group's finish reason when its choices disagree: the worst one wins (an error fails the job).
 _SEVERITY = {

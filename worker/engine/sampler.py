@@ -38,7 +38,7 @@ from typing import Protocol
 
 import torch
 
-from worker.engine.types import SamplingParams
+from tokenmill.engine.types import SamplingParams
 
 # Below this temperature a row is greedy (dividing by it would overflow float32 logits); vLLM's rule.
 GREEDY_TEMPERATURE = 1e-5

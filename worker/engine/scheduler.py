@@ -35,9 +35,9 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from worker.engine.block_manager import BlockManager
-from worker.engine.request import Request, RequestStatus
-from worker.engine.types import FinishReason
+from tokenmill.engine.block_manager import BlockManager
+from tokenmill.engine.request import Request, RequestStatus
+from tokenmill.engine.types import FinishReason
 
 log = logging.getLogger(__name__)
 

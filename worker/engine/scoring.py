@@ -26,10 +26,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from worker.engine.types import PromptLogprob
+from tokenmill.engine.types import PromptLogprob
 
 if TYPE_CHECKING:
-    from worker.engine.request import Request
+    from tokenmill.engine.request import Request
 
 SCORE_CHUNK_ROWS = 256  # rows of logits alive at once while scoring
 

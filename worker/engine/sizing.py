@@ -17,10 +17,10 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.engine.config import CPU_DEFAULT_KV_GB, EngineConfig
-from worker.engine.cuda_graphs import graph_memory_bytes
-from worker.engine.model_config import ModelConfig
-from worker.engine.model_runner import ModelRunner
+from tokenmill.engine.config import CPU_DEFAULT_KV_GB, EngineConfig
+from tokenmill.engine.cuda_graphs import graph_memory_bytes
+from tokenmill.engine.model_config import ModelConfig
+from tokenmill.engine.model_runner import ModelRunner
 
 # Head-room kept free on CUDA for activations of the largest step, on top of the memory fraction.
 CUDA_ACTIVATION_RESERVE_BYTES = 512 * 1024**2

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Container
 
-from worker.engine.types import FinishReason, SamplingParams
+from tokenmill.engine.types import FinishReason, SamplingParams
 
 
 def is_stop_token(

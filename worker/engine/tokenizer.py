@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from worker.engine.model_config import CheckpointError
+from tokenmill.engine.model_config import CheckpointError
 
 # Files any of which lets AutoTokenizer build a tokenizer without the network.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")

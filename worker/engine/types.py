@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field, fields
 from enum import Enum
 
-from worker.engine.fields import problems_of, setting
+from tokenmill.engine.fields import problems_of, setting
 
 
 class FinishReason(str, Enum):  # noqa: UP042 (StrEnum would change str() and f-strings of members)

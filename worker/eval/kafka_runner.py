@@ -41,10 +41,10 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
-from schemas import Job, Result
-from tools.backfill.kafka_backend import KafkaBackend, KafkaSettings
-from tools.backfill.rows import PlannedRow
-from tools.backfill.store import ResultStore
+from tokenmill.schemas import Job, Result
+from tokenmill.tools.backfill.kafka_backend import KafkaBackend, KafkaSettings
+from tokenmill.tools.backfill.rows import PlannedRow
+from tokenmill.tools.backfill.store import ResultStore
 
 T = TypeVar("T")
 

@@ -53,7 +53,7 @@ from lm_eval.models.utils import (
 )
 from tqdm import tqdm
 
-from schemas import STATUS_OK, Job, Result, Sampling
+from tokenmill.schemas import STATUS_OK, Job, Result, Sampling
 
 JobRunner = Callable[[list[Job]], dict[str, Result]]
 
@@ -116,8 +116,8 @@ class TokenmillLM(TemplateLM):
         ``max_gen_toks``, ``id_prefix``, and any EngineConfig field (``enable_prefix_caching``,
         ``max_model_len``, ``dtype``, ...). lm-eval's ``batch_size`` and ``max_batch_size`` are
         ignored (the engine batches by itself); its ``device`` is the engine's device."""
-        from worker.engine.config import EngineConfig
-        from worker.eval.local_runner import LocalJobRunner
+        from tokenmill.engine.config import EngineConfig
+        from tokenmill.eval.local_runner import LocalJobRunner
 
         args = dict(arg_dict)
         extra = {k: v for k, v in (additional_config or {}).items() if v is not None}

@@ -1,7 +1,7 @@
 """LocalJobRunner: a JobRunner (see worker/eval/lm.py) on an Engine in this process.
 
 The evaluation model hands it all the Jobs of one lm-eval call at once; it feeds them to the
-engine through ``worker.offline.OfflineRunner`` (the driver of ``run-batch`` and local backfill,
+engine through ``tokenmill.offline.OfflineRunner`` (the driver of ``run-batch`` and local backfill,
 so a job runs exactly as it would there: ``job_mapping`` builds the engine request and the
 Result) and returns every job's Result by job_id. The engine keeps the prefix cache on unless
 the given EngineConfig turns it off, so the shared context of a question's choices is computed
@@ -18,8 +18,8 @@ import dataclasses
 from collections import Counter
 from pathlib import Path
 
-from schemas import Job, Result
-from worker.engine.config import EngineConfig
+from tokenmill.engine.config import EngineConfig
+from tokenmill.schemas import Job, Result
 
 WORKER_NAME = "eval-local"
 
@@ -33,9 +33,9 @@ class LocalJobRunner:
     """
 
     def __init__(self, model_dir: str | Path, engine_config: EngineConfig | None = None, progress: bool = False) -> None:
-        from worker.engine import Engine
-        from worker.offline import OfflineRunner
-        from worker.storage import resolve_model_path
+        from tokenmill.engine import Engine
+        from tokenmill.offline import OfflineRunner
+        from tokenmill.storage import resolve_model_path
 
         local_dir = resolve_model_path(str(model_dir))
         if engine_config is None:

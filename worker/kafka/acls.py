@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
 
-from worker.kafka.transactions import transactional_id
+from tokenmill.kafka.transactions import transactional_id
 
 
 class ResourceType(IntEnum):  # Kafka's org.apache.kafka.common.resource.ResourceType codes
@@ -184,7 +184,7 @@ def _requests() -> tuple[type, type]:
 async def _with_admin(bootstrap: str, client_options: Mapping[str, Any] | None, call):
     from aiokafka.admin import AIOKafkaAdminClient
 
-    from worker.kafka.security import start_checked
+    from tokenmill.kafka.security import start_checked
 
     options = dict(client_options or {})
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, **options)

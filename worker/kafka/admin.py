@@ -192,7 +192,7 @@ async def topic_config_values(
     from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
     from aiokafka.errors import KafkaConnectionError, KafkaError
 
-    from worker.kafka.security import start_checked
+    from tokenmill.kafka.security import start_checked
 
     names = list(dict.fromkeys(topics))
     values: dict[str, str | None] = dict.fromkeys(names)

@@ -29,14 +29,19 @@ from typing import Any
 
 from structlog.typing import FilteringBoundLogger
 
-from schemas import Result, Source, TokenEvent
-from schemas.constants import ERROR_INTERNAL, ERROR_RESULT_TOO_LARGE, STATUS_EXPIRED, dead_letter_headers
-from schemas.job import Job
-from worker.engine.types import RequestDelta
-from worker.job_mapping import build_result, error_result, job_to_engine_request, new_attempt_id
-from worker.kafka.publisher import OutRecord
-from worker.kafka.sizing import CUT_DEAD_LETTER_VALUE, TopicLimits, fit_dead_letter, fit_result
-from worker.kafka.types import Answer, Fetched, InFlightJob
+from tokenmill.engine.types import RequestDelta
+from tokenmill.job_mapping import build_result, error_result, job_to_engine_request, new_attempt_id
+from tokenmill.kafka.publisher import OutRecord
+from tokenmill.kafka.sizing import CUT_DEAD_LETTER_VALUE, TopicLimits, fit_dead_letter, fit_result
+from tokenmill.kafka.types import Answer, Fetched, InFlightJob
+from tokenmill.schemas import Result, Source, TokenEvent
+from tokenmill.schemas.constants import (
+    ERROR_INTERNAL,
+    ERROR_RESULT_TOO_LARGE,
+    STATUS_EXPIRED,
+    dead_letter_headers,
+)
+from tokenmill.schemas.job import Job
 
 __all__ = [
     "AnswerContext",

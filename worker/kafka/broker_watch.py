@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from structlog.typing import FilteringBoundLogger
 
-from worker.aio import within
+from tokenmill.aio import within
 
 
 @dataclass(eq=False)

@@ -19,9 +19,9 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.errors import KafkaError
 from structlog.typing import FilteringBoundLogger
 
-from worker.config import WorkerSettings
-from worker.kafka.publisher import WorkerProducer
-from worker.kafka.sizing import TopicLimits
+from tokenmill.config import WorkerSettings
+from tokenmill.kafka.publisher import WorkerProducer
+from tokenmill.kafka.sizing import TopicLimits
 
 
 def _client_kwargs(s: WorkerSettings) -> dict[str, Any]:
@@ -51,7 +51,7 @@ async def read_topic_limits(s: WorkerSettings, log: FilteringBoundLogger) -> Top
     """max.message.bytes of the results, tokens and dead-letter topics; Kafka's default for a
     topic whose config cannot be read (logged). Raises KafkaConnectionError while no broker
     answers (the start waits for one)."""
-    from worker.kafka.admin import topic_config_values
+    from tokenmill.kafka.admin import topic_config_values
 
     topics = (s.results_topic, s.tokens_topic, s.dlq_topic)
     values = await topic_config_values(s.bootstrap_servers, topics, "max.message.bytes",

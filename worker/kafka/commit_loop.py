@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from structlog.typing import FilteringBoundLogger
 
-from worker.aio import wait_event
-from worker.kafka.delivery import Delivery
-from worker.kafka.offsets import OffsetTracker
-from worker.metrics import WorkerMetrics
+from tokenmill.aio import wait_event
+from tokenmill.kafka.delivery import Delivery
+from tokenmill.kafka.offsets import OffsetTracker
+from tokenmill.metrics import WorkerMetrics
 
 
 @dataclass(eq=False)

@@ -30,14 +30,14 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError, OffsetMetadataTooLargeError
 from structlog.typing import FilteringBoundLogger
 
-from worker.aio import wait_event
-from worker.kafka.attempts import METADATA_BUDGET
-from worker.kafka.offsets import CommitSnapshot, OffsetTracker
-from worker.kafka.publisher import PublishAbandoned, send_acked
-from worker.kafka.retry import KafkaRetry
-from worker.kafka.transactions import PartitionFenced, PartitionTransactions
-from worker.kafka.types import Answer
-from worker.metrics import WorkerMetrics
+from tokenmill.aio import wait_event
+from tokenmill.kafka.attempts import METADATA_BUDGET
+from tokenmill.kafka.offsets import CommitSnapshot, OffsetTracker
+from tokenmill.kafka.publisher import PublishAbandoned, send_acked
+from tokenmill.kafka.retry import KafkaRetry
+from tokenmill.kafka.transactions import PartitionFenced, PartitionTransactions
+from tokenmill.kafka.types import Answer
+from tokenmill.metrics import WorkerMetrics
 
 
 class OffsetDone:

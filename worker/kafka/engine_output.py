@@ -23,14 +23,14 @@ from typing import Any
 
 from aiokafka import TopicPartition
 
-from worker.engine.types import ErrorKind, RequestDelta
-from worker.kafka import answers
-from worker.kafka.answers import AnswerContext
-from worker.kafka.inflight import InFlight
-from worker.kafka.offsets import OffsetTracker
-from worker.kafka.publisher import PublishAbandoned, TokenStream
-from worker.kafka.types import Answer, InFlightJob
-from worker.metrics import WorkerMetrics
+from tokenmill.engine.types import ErrorKind, RequestDelta
+from tokenmill.kafka import answers
+from tokenmill.kafka.answers import AnswerContext
+from tokenmill.kafka.inflight import InFlight
+from tokenmill.kafka.offsets import OffsetTracker
+from tokenmill.kafka.publisher import PublishAbandoned, TokenStream
+from tokenmill.kafka.types import Answer, InFlightJob
+from tokenmill.metrics import WorkerMetrics
 
 # The engine errors that say the input itself is bad (the others are failures of the worker).
 _BAD_INPUT_KINDS = (ErrorKind.PROMPT_TOO_LONG, ErrorKind.INVALID_REQUEST, ErrorKind.INVALID_CONSTRAINT)

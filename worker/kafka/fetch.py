@@ -35,11 +35,11 @@ from aiokafka.errors import KafkaError
 from aiokafka.structs import ConsumerRecord
 from structlog.typing import FilteringBoundLogger
 
-from worker.kafka.backpressure import BackpressureGate
-from worker.kafka.offsets import OffsetTracker
-from worker.kafka.security import access_denied
-from worker.kafka.types import Fetched
-from worker.metrics import HealthState, WorkerMetrics
+from tokenmill.kafka.backpressure import BackpressureGate
+from tokenmill.kafka.offsets import OffsetTracker
+from tokenmill.kafka.security import access_denied
+from tokenmill.kafka.types import Fetched
+from tokenmill.metrics import HealthState, WorkerMetrics
 
 
 @dataclass(eq=False)

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from worker.job_mapping import job_to_engine_request
-from worker.kafka.tenants import TenantLimiter
-from worker.kafka.types import InFlightJob
-from worker.runtime.engine_thread import EngineThread
+from tokenmill.job_mapping import job_to_engine_request
+from tokenmill.kafka.tenants import TenantLimiter
+from tokenmill.kafka.types import InFlightJob
+from tokenmill.runtime.engine_thread import EngineThread
 
 
 class InFlight:

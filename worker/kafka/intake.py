@@ -29,16 +29,16 @@ from dataclasses import dataclass
 
 from structlog.typing import FilteringBoundLogger
 
-from schemas.constants import ERROR_CRASHED_WORKER, ERROR_INVALID_JOB, ERROR_MODEL_MISMATCH
-from schemas.decode import decode_job
-from schemas.errors import JobDecodeError
-from schemas.job import Job
-from worker.job_mapping import new_attempt_id
-from worker.kafka import answers
-from worker.kafka.answers import AnswerContext
-from worker.kafka.guard import BadInputGuard, BadInputGuardTripped
-from worker.kafka.types import Answer, Fetched, InFlightJob
-from worker.logging import job_log
+from tokenmill.job_mapping import new_attempt_id
+from tokenmill.kafka import answers
+from tokenmill.kafka.answers import AnswerContext
+from tokenmill.kafka.guard import BadInputGuard, BadInputGuardTripped
+from tokenmill.kafka.types import Answer, Fetched, InFlightJob
+from tokenmill.logging import job_log
+from tokenmill.schemas.constants import ERROR_CRASHED_WORKER, ERROR_INVALID_JOB, ERROR_MODEL_MISMATCH
+from tokenmill.schemas.decode import decode_job
+from tokenmill.schemas.errors import JobDecodeError
+from tokenmill.schemas.job import Job
 
 
 @dataclass(eq=False)

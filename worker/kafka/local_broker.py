@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from worker.kafka.security import KafkaSecurity, Secret
+from tokenmill.kafka.security import KafkaSecurity, Secret
 
 # The script lives in the source tree, two levels above this package.
 _DEFAULT_SCRIPT = Path(__file__).resolve().parents[2] / "deploy" / "kafka" / "kafka.sh"

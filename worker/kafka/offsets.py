@@ -28,7 +28,7 @@ from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from worker.kafka.attempts import METADATA_BUDGET, AttemptCounts
+from tokenmill.kafka.attempts import METADATA_BUDGET, AttemptCounts
 
 K = TypeVar("K", bound=Hashable)  # a partition id (a TopicPartition in the worker)
 

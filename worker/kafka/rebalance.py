@@ -38,13 +38,13 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.abc import ConsumerRebalanceListener
 from structlog.typing import FilteringBoundLogger
 
-from worker.config import WorkerSettings
-from worker.kafka.attempts import AttemptsFormatError, decode_counts, read_committed
-from worker.kafka.delivery import Delivery, OffsetDone
-from worker.kafka.inflight import InFlight
-from worker.kafka.offsets import OffsetTracker
-from worker.kafka.retry import KafkaRetry
-from worker.metrics import HealthState
+from tokenmill.config import WorkerSettings
+from tokenmill.kafka.attempts import AttemptsFormatError, decode_counts, read_committed
+from tokenmill.kafka.delivery import Delivery, OffsetDone
+from tokenmill.kafka.inflight import InFlight
+from tokenmill.kafka.offsets import OffsetTracker
+from tokenmill.kafka.retry import KafkaRetry
+from tokenmill.metrics import HealthState
 
 
 @dataclass(eq=False)

@@ -33,8 +33,8 @@ from typing import Any, TypeVar
 from aiokafka.errors import KafkaConnectionError, KafkaError
 from structlog.typing import FilteringBoundLogger
 
-from worker.aio import wait_event, within
-from worker.kafka.security import KafkaAccessDenied, access_denied
+from tokenmill.aio import wait_event, within
+from tokenmill.kafka.security import KafkaAccessDenied, access_denied
 
 T = TypeVar("T")
 C = TypeVar("C")

@@ -32,9 +32,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from schemas import ErrorInfo, Result
-from schemas.constants import ERROR_RESULT_TOO_LARGE, HEADER_VALUE_ORIGINAL_BYTES, STATUS_ERROR, STATUS_OK
-from worker.kafka.publisher import KAFKA_DEFAULT_MAX_MESSAGE_BYTES, OutRecord, record_size
+from tokenmill.kafka.publisher import KAFKA_DEFAULT_MAX_MESSAGE_BYTES, OutRecord, record_size
+from tokenmill.schemas import ErrorInfo, Result
+from tokenmill.schemas.constants import (
+    ERROR_RESULT_TOO_LARGE,
+    HEADER_VALUE_ORIGINAL_BYTES,
+    STATUS_ERROR,
+    STATUS_OK,
+)
 
 DEFAULT_MAX_BATCH_BYTES = 256 * 1024  # the producer's batch size where every limit allows it
 

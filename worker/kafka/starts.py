@@ -36,10 +36,10 @@ from dataclasses import dataclass
 from aiokafka import TopicPartition
 from structlog.typing import FilteringBoundLogger
 
-from worker.engine.types import EngineRequest, RequestDelta
-from worker.kafka.offsets import OffsetTracker, PartitionOffsets
-from worker.kafka.types import Fetched, InFlightJob
-from worker.runtime.engine_thread import EngineThread
+from tokenmill.engine.types import EngineRequest, RequestDelta
+from tokenmill.kafka.offsets import OffsetTracker, PartitionOffsets
+from tokenmill.kafka.types import Fetched, InFlightJob
+from tokenmill.runtime.engine_thread import EngineThread
 
 
 @dataclass(eq=False)

@@ -28,7 +28,7 @@ from aiokafka import AIOKafkaProducer, TopicPartition
 from aiokafka.errors import KafkaError, OffsetMetadataTooLargeError, ProducerFenced
 from structlog.typing import FilteringBoundLogger
 
-from worker.kafka.publisher import OutRecord
+from tokenmill.kafka.publisher import OutRecord
 
 
 def transactional_id(group_id: str, topic: str, partition: int) -> str:

@@ -14,8 +14,8 @@ from typing import Literal
 from aiokafka import TopicPartition
 from structlog.typing import FilteringBoundLogger
 
-from schemas.job import Job
-from worker.kafka.publisher import OutRecord, TokenSink
+from tokenmill.kafka.publisher import OutRecord, TokenSink
+from tokenmill.schemas.job import Job
 
 # How an input was answered: a Result with status ok / expired / error (an engine error, which is
 # dead-lettered as well), or a dead letter for input that never became a running job.

@@ -62,40 +62,40 @@ from typing import TYPE_CHECKING, Any
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from structlog.typing import FilteringBoundLogger
 
-from worker.config import WorkerSettings
-from worker.engine.types import EngineStats, RequestDelta
-from worker.kafka import clients
-from worker.kafka.answers import AnswerContext
-from worker.kafka.backpressure import BackpressureGate
-from worker.kafka.broker_watch import BrokerWatch
-from worker.kafka.commit_loop import CommitLoop
-from worker.kafka.delivery import AtLeastOnce, Delivery, ExactlyOnce, OffsetDone
-from worker.kafka.engine_output import EngineOutput
-from worker.kafka.fetch import Fetcher
-from worker.kafka.guard import BadInputGuard
-from worker.kafka.inflight import InFlight
-from worker.kafka.intake import Intake
-from worker.kafka.offsets import OffsetTracker
-from worker.kafka.publisher import PublishAbandoned, TokenStream, refusal_of
-from worker.kafka.rebalance import Rebalance
-from worker.kafka.retry import BrokerUnreachable, BrokerWait, KafkaRetry
-from worker.kafka.security import (
+from tokenmill.config import WorkerSettings
+from tokenmill.engine.types import EngineStats, RequestDelta
+from tokenmill.kafka import clients
+from tokenmill.kafka.answers import AnswerContext
+from tokenmill.kafka.backpressure import BackpressureGate
+from tokenmill.kafka.broker_watch import BrokerWatch
+from tokenmill.kafka.commit_loop import CommitLoop
+from tokenmill.kafka.delivery import AtLeastOnce, Delivery, ExactlyOnce, OffsetDone
+from tokenmill.kafka.engine_output import EngineOutput
+from tokenmill.kafka.fetch import Fetcher
+from tokenmill.kafka.guard import BadInputGuard
+from tokenmill.kafka.inflight import InFlight
+from tokenmill.kafka.intake import Intake
+from tokenmill.kafka.offsets import OffsetTracker
+from tokenmill.kafka.publisher import PublishAbandoned, TokenStream, refusal_of
+from tokenmill.kafka.rebalance import Rebalance
+from tokenmill.kafka.retry import BrokerUnreachable, BrokerWait, KafkaRetry
+from tokenmill.kafka.security import (
     KafkaAccessDenied,
     access_denied,
     check_credentials,
     check_topic_access,
     start_checked,
 )
-from worker.kafka.sizing import TopicLimits
-from worker.kafka.starts import StartGate
-from worker.kafka.tenants import TenantLimiter
-from worker.kafka.types import Answer, InFlightJob
-from worker.logging import get_logger
-from worker.metrics import HealthState, MetricsServer, WorkerMetrics
-from worker.runtime.engine_thread import EngineThread
+from tokenmill.kafka.sizing import TopicLimits
+from tokenmill.kafka.starts import StartGate
+from tokenmill.kafka.tenants import TenantLimiter
+from tokenmill.kafka.types import Answer, InFlightJob
+from tokenmill.logging import get_logger
+from tokenmill.metrics import HealthState, MetricsServer, WorkerMetrics
+from tokenmill.runtime.engine_thread import EngineThread
 
 if TYPE_CHECKING:
-    from worker.engine import Engine
+    from tokenmill.engine import Engine
 
 EXIT_OK = 0
 EXIT_FATAL = 1
@@ -213,8 +213,8 @@ class KafkaWorker:
 
     async def _load_model(self) -> Engine:
         if self.engine is None:
-            from worker.engine import Engine
-            from worker.storage.checkpoint import resolve_model_path
+            from tokenmill.engine import Engine
+            from tokenmill.storage.checkpoint import resolve_model_path
 
             t0 = time.monotonic()
             # Every engine setting goes through unchanged; the model becomes a local directory.

@@ -28,7 +28,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import replace
 
-from worker.engine.types import EngineRequest, EngineStats, ErrorKind, FinishReason, RequestDelta, Usage
+from tokenmill.engine.types import EngineRequest, EngineStats, ErrorKind, FinishReason, RequestDelta, Usage
 
 StepCallback = Callable[[list[RequestDelta], EngineStats, int], None]  # deltas, stats, new tokens
 FatalCallback = Callable[[BaseException, str], None]

@@ -1,8 +1,8 @@
 """Storage helpers: `s3://` URLs, model checkpoints from S3 (cached locally), dataset files on S3."""
 
-from worker.storage.checkpoint import DownloadReport, download_prefix, resolve_model_path
-from worker.storage.files import local_input, local_output
-from worker.storage.s3 import S3Error, S3Url, is_s3_url, parse_s3_url, s3_client
+from tokenmill.storage.checkpoint import DownloadReport, download_prefix, resolve_model_path
+from tokenmill.storage.files import local_input, local_output
+from tokenmill.storage.s3 import S3Error, S3Url, is_s3_url, parse_s3_url, s3_client
 
 __all__ = [
     "DownloadReport",

@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from worker.storage.s3 import S3Error, S3Url, is_s3_url, list_objects, parse_s3_url, s3_client
+from tokenmill.storage.s3 import S3Error, S3Url, is_s3_url, list_objects, parse_s3_url, s3_client
 
 log = logging.getLogger(__name__)
 

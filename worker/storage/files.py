@@ -14,7 +14,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from worker.storage.s3 import S3Error, head_object, is_s3_url, parse_s3_url, s3_client
+from tokenmill.storage.s3 import S3Error, head_object, is_s3_url, parse_s3_url, s3_client
 
 
 @contextlib.contextmanager

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from worker.kafka.security import SASL_MECHANISMS, SECURITY_PROTOCOLS
+from tokenmill.kafka.security import SASL_MECHANISMS, SECURITY_PROTOCOLS
 
 
 def add_kafka_client_args(parser: argparse.ArgumentParser, *, required: bool = True) -> None:
@@ -34,7 +34,7 @@ def add_kafka_security_args(group) -> None:
 
 def kafka_security_from_args(args: argparse.Namespace):
     """KafkaSecurity from the flags of add_kafka_security_args (secrets read from files or flags)."""
-    from worker.kafka.security import KafkaSecurity, read_secret
+    from tokenmill.kafka.security import KafkaSecurity, read_secret
 
     return KafkaSecurity(
         protocol=args.security_protocol,
@@ -60,7 +60,7 @@ def client_error_exit(prog: str, exc: Exception, *, bad_input: tuple[type[Except
     worker/kafka/security.py), or when exc is one of ``bad_input`` (2); re-raise anything else."""
     import sys
 
-    from worker.kafka.security import access_denied
+    from tokenmill.kafka.security import access_denied
 
     if isinstance(exc, bad_input):
         print(f"{prog}: {exc}", file=sys.stderr)

@@ -12,8 +12,8 @@ import argparse
 import json
 import sys
 
-from worker.cli.commands._kafka_client import add_kafka_client_args, client_error_exit, kafka_client_kwargs
-from worker.cli.engine_options import add_engine_options, engine_kwargs, positive_int
+from tokenmill.cli.commands._kafka_client import add_kafka_client_args, client_error_exit, kafka_client_kwargs
+from tokenmill.cli.engine_options import add_engine_options, engine_kwargs, positive_int
 
 # --model is the served name or the checkpoint; --seed is the jobs' sampling seed.
 LOCAL_ENGINE_EXCLUDED = ("model", "seed")
@@ -86,14 +86,14 @@ def _sampling(args: argparse.Namespace) -> dict:
         value = getattr(args, name)
         if value is not None:
             sampling[name] = value
-    from tools.backfill.constraints import constraint_from_options, with_constraint
+    from tokenmill.tools.backfill.constraints import constraint_from_options, with_constraint
 
     return with_constraint(sampling, constraint_from_options(args.json_schema, args.choice, args.whitespace))
 
 
 def handle(args: argparse.Namespace) -> int:
-    from tools.backfill import BackfillConfig, BackfillIncomplete, JobSpec, run_backfill_sync
-    from tools.backfill.datasets import DatasetError
+    from tokenmill.tools.backfill import BackfillConfig, BackfillIncomplete, JobSpec, run_backfill_sync
+    from tokenmill.tools.backfill.datasets import DatasetError
 
     try:
         local = args.engine == "local"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from worker.cli.engine_options import add_engine_options, positive_int
+from tokenmill.cli.engine_options import add_engine_options, positive_int
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -55,15 +55,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from tools.bench import format_table, run_bench, write_json
-    from worker.cli.engine_options import engine_kwargs
+    from tokenmill.cli.engine_options import engine_kwargs
+    from tokenmill.tools.bench import format_table, run_bench, write_json
 
     torch.set_num_threads(args.threads)
     options = engine_kwargs(args, exclude=("model", "cpu_threads"))
     options.pop("served_model_name")
     options["cpu_threads"] = args.threads
     if args.workload == "kafka":
-        from tools.bench_kafka import format_kafka_table, run_kafka_bench
+        from tokenmill.tools.bench_kafka import format_kafka_table, run_kafka_bench
 
         report = run_kafka_bench(args.model, num_requests=args.requests, seed=args.workload_seed,
                                  engine_options=options, bootstrap=args.bootstrap_servers)

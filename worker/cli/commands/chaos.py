@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 
-from worker.cli.engine_options import non_negative_float, non_negative_int, positive_int
+from tokenmill.cli.engine_options import non_negative_float, non_negative_int, positive_int
 
 HELP = "run a fault scenario (kill, broker-restart, outage, rebalance-storm) and report lost and duplicated jobs"
 
@@ -28,7 +28,7 @@ def _sizes(text: str) -> tuple[int, ...]:
 
 
 def register(subparsers) -> None:
-    from tools.chaos import DEFAULT_WORKER_ARGS, SCENARIOS
+    from tokenmill.tools.chaos import DEFAULT_WORKER_ARGS, SCENARIOS
 
     p = subparsers.add_parser("chaos", help=HELP, description=__doc__.split("\n\n", 1)[1])
     p.add_argument("scenario", choices=SCENARIOS)
@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     import sys
     from pathlib import Path
 
-    from tools.chaos.scenarios import ChaosConfig, run_scenario
+    from tokenmill.tools.chaos.scenarios import ChaosConfig, run_scenario
 
     # The run's own clients lose the broker on purpose: their reconnect noise is not news.
     logging.getLogger("aiokafka").setLevel(logging.CRITICAL)

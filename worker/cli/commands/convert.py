@@ -24,7 +24,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from worker.engine.convert import ConvertError, convert_gguf
+    from tokenmill.engine.convert import ConvertError, convert_gguf
 
     try:
         # TOKENMILL_DTYPE is shared with the serving commands, where "auto" is common.

@@ -27,7 +27,7 @@ def register(subparsers) -> None:
 def handle(args: argparse.Namespace) -> int:
     import torch
 
-    from tools.demo import DemoConfig, run_demo
+    from tokenmill.tools.demo import DemoConfig, run_demo
 
     torch.set_num_threads(1)
     return run_demo(DemoConfig(model=args.model, served_model_name=args.served_model_name,

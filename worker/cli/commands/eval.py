@@ -22,8 +22,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from worker.cli.commands._kafka_client import add_kafka_client_args, client_error_exit, kafka_client_kwargs
-from worker.cli.engine_options import (
+from tokenmill.cli.commands._kafka_client import add_kafka_client_args, client_error_exit, kafka_client_kwargs
+from tokenmill.cli.engine_options import (
     add_engine_options,
     engine_config_from_args,
     engine_fields,
@@ -153,7 +153,7 @@ def task_manager_for(names: list[str], include_paths: list[str]):
     be a known task, group or tag, else EvalUsageError listing some known ones."""
     from lm_eval.tasks import TaskManager
 
-    from worker.eval import TASKS_DIR
+    from tokenmill.eval import TASKS_DIR
 
     for folder in include_paths:
         if not Path(folder).is_dir():
@@ -195,18 +195,18 @@ def fresh_state_path() -> Path:
     import secrets
     import time
 
-    from worker.storage.checkpoint import cache_root
+    from tokenmill.storage.checkpoint import cache_root
 
     return cache_root() / "eval" / f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(4)}.sqlite"
 
 
 def _kafka_runner(args: argparse.Namespace, tasks: list[str]):
     """(runner, tokenizer, model name, max length) for an evaluation through the fleet."""
-    from tools.backfill.kafka_backend import KafkaSettings
-    from worker.engine.model_config import load_model_config
-    from worker.engine.tokenizer import load_tokenizer
-    from worker.eval.kafka_runner import KafkaJobRunner
-    from worker.storage import resolve_model_path
+    from tokenmill.engine.model_config import load_model_config
+    from tokenmill.engine.tokenizer import load_tokenizer
+    from tokenmill.eval.kafka_runner import KafkaJobRunner
+    from tokenmill.storage import resolve_model_path
+    from tokenmill.tools.backfill.kafka_backend import KafkaSettings
 
     local_dir = resolve_model_path(args.model)
     tokenizer = load_tokenizer(local_dir)
@@ -223,8 +223,8 @@ def _kafka_runner(args: argparse.Namespace, tasks: list[str]):
 
 
 def _local_runner(args: argparse.Namespace):
-    from worker.eval.local_runner import LocalJobRunner
-    from worker.storage import resolve_model_path
+    from tokenmill.eval.local_runner import LocalJobRunner
+    from tokenmill.storage import resolve_model_path
 
     local_dir = resolve_model_path(args.model)
     served = args.served_model_name
@@ -248,7 +248,7 @@ def run_eval(args: argparse.Namespace) -> dict[str, Any]:
         import lm_eval
         from lm_eval.utils import make_table  # noqa: F401  (the table printer: checked with the rest)
 
-        from worker.eval.lm import TokenmillLM
+        from tokenmill.eval.lm import TokenmillLM
     except ImportError as exc:
         raise ImportError(f"{INSTALL_HINT} ({exc})") from exc
     manager = task_manager_for(tasks, args.include_path)
@@ -276,7 +276,7 @@ def run_eval(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def handle(args: argparse.Namespace) -> int:
-    from worker.eval.kafka_runner import EvalIncomplete, EvalStateMismatch
+    from tokenmill.eval.kafka_runner import EvalIncomplete, EvalStateMismatch
 
     prog = "tokenmill eval"
     try:
@@ -295,7 +295,7 @@ def handle(args: argparse.Namespace) -> int:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:
-        from worker.kafka.security import access_denied
+        from tokenmill.kafka.security import access_denied
 
         if access_denied(exc) is None and isinstance(exc, (RuntimeError, ValueError)):
             # A failed request (its error Result quoted) or a setting the evaluation cannot honour.

@@ -11,7 +11,7 @@ import functools
 import sys
 from collections.abc import Callable
 
-from worker.cli.engine_options import positive_int
+from tokenmill.cli.engine_options import positive_int
 
 _DEFAULT_BOOTSTRAP = "127.0.0.1:9092"
 
@@ -96,7 +96,7 @@ def _usage(parser: argparse.ArgumentParser) -> int:
 
 
 def _broker(args: argparse.Namespace, with_ports: bool = False):
-    from worker.kafka.local_broker import LocalKafka
+    from tokenmill.kafka.local_broker import LocalKafka
 
     if with_ports:
         return LocalKafka(port=args.port, data_dir=args.data_dir, controller_port=args.controller_port)
@@ -109,7 +109,7 @@ def _reports_node_errors(verb: str) -> Callable[[Callable[[argparse.Namespace], 
     def wrap(action: Callable[[argparse.Namespace], int]) -> Callable[..., int]:
         @functools.wraps(action)
         def run(args: argparse.Namespace) -> int:
-            from worker.kafka.local_broker import LocalKafkaError
+            from tokenmill.kafka.local_broker import LocalKafkaError
 
             try:
                 return action(args)
@@ -148,7 +148,7 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _create_topic(args: argparse.Namespace) -> int:
-    from worker.kafka.admin import TopicError, TopicSpec, ensure_topics_sync
+    from tokenmill.kafka.admin import TopicError, TopicSpec, ensure_topics_sync
 
     try:
         config = dict(_config_item(item) for item in args.config)

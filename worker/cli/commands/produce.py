@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from worker.cli.commands._kafka_client import add_kafka_client_args, client_error_exit, kafka_client_kwargs
+from tokenmill.cli.commands._kafka_client import add_kafka_client_args, client_error_exit, kafka_client_kwargs
 
 HELP = "send Jobs (or OpenAI batch lines) from a JSONL file or stdin to the jobs topic"
 
@@ -34,7 +34,7 @@ def register(subparsers) -> None:
 def handle(args: argparse.Namespace) -> int:
     import asyncio
 
-    from tools.produce import ProduceAborted, produce, validate_all
+    from tokenmill.tools.produce import ProduceAborted, produce, validate_all
 
     try:
         kafka_options = kafka_client_kwargs(args)

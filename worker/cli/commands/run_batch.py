@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from worker.cli.engine_options import add_engine_options, engine_config_from_args, positive_int
+from tokenmill.cli.engine_options import add_engine_options, engine_config_from_args, positive_int
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -41,9 +41,9 @@ def served_model_name(args: argparse.Namespace) -> str | None:
 
 def build_runner(args: argparse.Namespace):
     """The engine from the flags, and the BatchRunner that drives it."""
-    from worker.batch_runner import BatchRunner
-    from worker.engine import Engine
-    from worker.storage.checkpoint import resolve_model_path
+    from tokenmill.batch_runner import BatchRunner
+    from tokenmill.engine import Engine
+    from tokenmill.storage.checkpoint import resolve_model_path
 
     config = engine_config_from_args(args, str(resolve_model_path(args.model)),
                                      served_model_name=served_model_name(args))

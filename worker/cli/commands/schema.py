@@ -23,7 +23,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import json
 
-    from schemas.export import SCHEMAS, json_schema, render
+    from tokenmill.schemas.export import SCHEMAS, json_schema, render
 
     if args.record == "all":
         print(json.dumps({name: json_schema(name) for name in SCHEMAS}, indent=2, ensure_ascii=False))

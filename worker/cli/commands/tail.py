@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from worker.cli.commands._kafka_client import add_kafka_client_args, client_error_exit, kafka_client_kwargs
+from tokenmill.cli.commands._kafka_client import add_kafka_client_args, client_error_exit, kafka_client_kwargs
 
 HELP = "follow Results (or, with --tokens, token streams reassembled per job)"
 
@@ -30,7 +30,7 @@ def register(subparsers) -> None:
 
 
 def handle(args: argparse.Namespace) -> int:
-    from tools.tail import run_tail
+    from tokenmill.tools.tail import run_tail
 
     try:
         run_tail(

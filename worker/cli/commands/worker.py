@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from worker.cli.commands._kafka_client import add_kafka_security_args, kafka_security_from_args
-from worker.cli.engine_options import (
+from tokenmill.cli.commands._kafka_client import add_kafka_security_args, kafka_security_from_args
+from tokenmill.cli.engine_options import (
     add_engine_options,
     engine_config_from_args,
     non_negative_float,
@@ -73,8 +73,8 @@ def register(subparsers) -> None:
 
 
 def settings_from_args(args):
-    from worker.config import WorkerSettings
-    from worker.kafka.backpressure import BackpressurePolicy
+    from tokenmill.config import WorkerSettings
+    from tokenmill.kafka.backpressure import BackpressurePolicy
 
     engine = engine_config_from_args(args, args.model)
     waiting_high = args.backpressure_waiting_high or 2 * args.max_num_seqs
@@ -125,7 +125,7 @@ def run(args) -> int:
     import asyncio
     import sys
 
-    from worker.logging import configure_logging
+    from tokenmill.logging import configure_logging
 
     try:
         configure_logging(args.log_level)
@@ -134,7 +134,7 @@ def run(args) -> int:
         print(f"tokenmill worker: {exc}", file=sys.stderr)
         return 2
 
-    from worker.kafka.worker import KafkaWorker
+    from tokenmill.kafka.worker import KafkaWorker
 
     worker = KafkaWorker(settings)
     code = asyncio.run(worker.run())

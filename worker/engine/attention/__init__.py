@@ -85,12 +85,12 @@ def get_attention_backend(name: str, device: str | torch.device = "cpu") -> Atte
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     if name == "torch":
-        from worker.engine.attention.torch_backend import TorchAttentionBackend
+        from tokenmill.engine.attention.torch_backend import TorchAttentionBackend
 
         return TorchAttentionBackend()
     if name == "triton":
         try:
-            from worker.engine.attention.triton_backend import TritonAttentionBackend
+            from tokenmill.engine.attention.triton_backend import TritonAttentionBackend
         except ImportError as exc:
             raise ValueError(f"the triton attention backend is not available: {exc}") from exc
         return TritonAttentionBackend()

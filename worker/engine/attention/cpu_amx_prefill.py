@@ -31,8 +31,8 @@ import threading
 
 import torch
 
-from worker.engine import cpu_amx_gemm
-from worker.engine.c_build import OnDemandLibrary
+from tokenmill.engine import cpu_amx_gemm
+from tokenmill.engine.c_build import OnDemandLibrary
 
 log = logging.getLogger(__name__)
 

@@ -25,8 +25,8 @@ import ctypes
 
 import torch
 
-from worker.engine.c_build import OnDemandLibrary
-from worker.engine.switches import switch
+from tokenmill.engine.c_build import OnDemandLibrary
+from tokenmill.engine.switches import switch
 
 DISABLE_ENV = "TOKENMILL_CPU_ATTENTION_KERNEL"  # "0" turns the kernel off (plain torch path)
 

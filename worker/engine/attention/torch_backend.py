@@ -39,8 +39,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from worker.engine import cpu_elementwise
-from worker.engine.attention import AttentionMetadata, cpu_amx_prefill, cpu_decode_kernel
+from tokenmill.engine import cpu_elementwise
+from tokenmill.engine.attention import AttentionMetadata, cpu_amx_prefill, cpu_decode_kernel
 
 # Decode bucketing: a bucket grows while its longest row has at most this factor more blocks than its
 # shortest (sorted ascending), so padded work is bounded by ~1.25x the real work; tiny buckets cost

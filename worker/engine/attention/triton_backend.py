@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels.kv_write import kv_write
-from kernels.paged_attention import paged_attention
-from worker.engine.attention import AttentionMetadata
+from tokenmill.engine.attention import AttentionMetadata
+from tokenmill.kernels.kv_write import kv_write
+from tokenmill.kernels.paged_attention import paged_attention
 
 
 class TritonAttentionBackend:

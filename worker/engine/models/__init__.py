@@ -1,6 +1,6 @@
 """Our own model code: attention runs through the engine's paged KV path (see attention/)."""
 
-from worker.engine.models.decoder import DecoderForCausalLM, DecoderLayer
+from tokenmill.engine.models.decoder import DecoderForCausalLM, DecoderLayer
 
 # ModelConfig.architecture -> model class. The three share one decoder; flags in ModelConfig differ.
 MODEL_CLASSES = {

@@ -17,13 +17,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.engine import cpu_gemm
-from worker.engine.attention import AttentionBackend, AttentionMetadata, OutputRows
-from worker.engine.cpu_decode_layers import DecodeLayers
-from worker.engine.greedy_head import GreedyScreen
-from worker.engine.layers import RotaryEmbedding, rms_norm
-from worker.engine.model_config import CheckpointError, ModelConfig
-from worker.engine.models.ops import RopeInputs, TorchOps, TritonOps, make_ops
+from tokenmill.engine import cpu_gemm
+from tokenmill.engine.attention import AttentionBackend, AttentionMetadata, OutputRows
+from tokenmill.engine.cpu_decode_layers import DecodeLayers
+from tokenmill.engine.greedy_head import GreedyScreen
+from tokenmill.engine.layers import RotaryEmbedding, rms_norm
+from tokenmill.engine.model_config import CheckpointError, ModelConfig
+from tokenmill.engine.models.ops import RopeInputs, TorchOps, TritonOps, make_ops
 
 
 def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.engine import cpu_elementwise
-from worker.engine.layers import RotaryEmbedding, apply_rotary, rms_norm, silu_and_mul
+from tokenmill.engine import cpu_elementwise
+from tokenmill.engine.layers import RotaryEmbedding, apply_rotary, rms_norm, silu_and_mul
 
 
 @dataclass
@@ -72,9 +72,9 @@ class TritonOps:
     name = "triton"
 
     def __init__(self, rotary: RotaryEmbedding, max_positions: int):
-        from kernels.rmsnorm import rms_norm as fused_rms_norm
-        from kernels.rotary import rope_cos_sin_cache, rotary_embedding
-        from kernels.silu_mul import silu_mul
+        from tokenmill.kernels.rmsnorm import rms_norm as fused_rms_norm
+        from tokenmill.kernels.rotary import rope_cos_sin_cache, rotary_embedding
+        from tokenmill.kernels.silu_mul import silu_mul
 
         self._rms_norm = fused_rms_norm
         self._rotary = rotary_embedding

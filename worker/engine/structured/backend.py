@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 import torch
 
-from worker.engine.types import StructuredOutputsParams
+from tokenmill.engine.types import StructuredOutputsParams
 
 
 class ConstraintError(Exception):

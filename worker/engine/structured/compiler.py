@@ -22,8 +22,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from worker.engine.structured.backend import ConstraintBackend, ConstraintError
-from worker.engine.types import StructuredOutputsParams
+from tokenmill.engine.structured.backend import ConstraintBackend, ConstraintError
+from tokenmill.engine.types import StructuredOutputsParams
 
 # Distinct constraints kept (compiled grammars are small; a backfill uses a handful).
 CACHE_ENTRIES = 512

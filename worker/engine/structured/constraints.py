@@ -22,14 +22,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kernels.token_bitmask import apply_token_bitmask
-from worker.engine.metrics import EngineMetrics
-from worker.engine.structured.compiler import CompileEntry, ConstraintCompiler
-from worker.engine.structured.llguidance_backend import LLGuidanceBackend
+from tokenmill.engine.metrics import EngineMetrics
+from tokenmill.engine.structured.compiler import CompileEntry, ConstraintCompiler
+from tokenmill.engine.structured.llguidance_backend import LLGuidanceBackend
+from tokenmill.kernels.token_bitmask import apply_token_bitmask
 
 if TYPE_CHECKING:
-    from worker.engine.request import Request
-    from worker.engine.scheduler import SchedulerOutput
+    from tokenmill.engine.request import Request
+    from tokenmill.engine.scheduler import SchedulerOutput
 
 
 class StepMask:

@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from worker.engine.structured.backend import ConstraintError
-from worker.engine.types import StructuredOutputsParams
+from tokenmill.engine.structured.backend import ConstraintError
+from tokenmill.engine.types import StructuredOutputsParams
 
 FLEXIBLE_WHITESPACE_MAX = 16
 # The longest library reason kept in an error (a verbose parser error can hold the whole schema).
