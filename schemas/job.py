@@ -37,6 +37,7 @@ from tokenmill.schemas.constants import (
     MessageRole,
     WhitespaceMode,
 )
+from tokenmill.schemas.json_text import load_json
 
 # Shared field types. Counts and token ids fit a signed 32-bit integer: larger values can only be
 # mistakes, and they would overflow the engine's index tensors instead of failing here clearly.
@@ -133,8 +134,6 @@ class StructuredOutputs(StrictModel):
         except ValidationError:
             raise ValueError("must be a JSON Schema object or its JSON text") from None
         if isinstance(value, str):
-            from tokenmill.schemas.decode import load_json  # decode imports this module
-
             try:
                 schema = load_json(value, id_of=lambda _: None)
             except ValueError as exc:  # JobDecodeError: "not JSON: ..."

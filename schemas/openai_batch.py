@@ -40,9 +40,9 @@ from tokenmill.schemas.constants import (
     STATUS_EXPIRED,
     STATUS_OK,
 )
-from tokenmill.schemas.decode import load_json, readable_id
 from tokenmill.schemas.errors import JobDecodeError, format_validation_error
 from tokenmill.schemas.job import Job
+from tokenmill.schemas.json_text import load_json, readable_id
 from tokenmill.schemas.records import Choice, PromptLogprob, Result, TokenLogprob
 
 CHAT_COMPLETIONS_URL = "/v1/chat/completions"

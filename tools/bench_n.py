@@ -29,10 +29,10 @@ SEED_STRIDE = 1000
 
 
 def n_prompts(vocab_size: int, num_prompts: int, seed: int, special: set[int]) -> list[list[int]]:
-    from tokenmill.tools.bench import _token_range
+    from tokenmill.tools.bench_workloads import token_range
 
     rng = random.Random(seed + 7)
-    lo, hi = _token_range(vocab_size, special)
+    lo, hi = token_range(vocab_size, special)
     return [[rng.randint(lo, hi) for _ in range(rng.randint(200, 300))] for _ in range(num_prompts)]
 
 

@@ -104,14 +104,14 @@ class ScoreWorkload:
 def score_workload(vocab_size: int, num_questions: int = NUM_QUESTIONS, seed: int = 0,
                    special: set[int] = frozenset(), context_len: tuple[int, int] = CONTEXT_LEN,
                    continuation_len: tuple[int, int] = CONTINUATION_LEN, choices: int = CHOICES) -> ScoreWorkload:
-    from tokenmill.tools.bench import _token_range
+    from tokenmill.tools.bench_workloads import token_range
 
     if num_questions < 1:
         raise ValueError(f"the score workload needs at least one question, got {num_questions}")
     if not (1 <= context_len[0] <= context_len[1]) or not (1 <= continuation_len[0] <= continuation_len[1]):
         raise ValueError(f"bad lengths: context {context_len}, continuation {continuation_len} (need 1 <= lo <= hi)")
     rng = random.Random(seed + 2)
-    lo, hi = _token_range(vocab_size, set(special))
+    lo, hi = token_range(vocab_size, set(special))
     contexts, conts = [], []
     for _ in range(num_questions):
         contexts.append([rng.randint(lo, hi) for _ in range(rng.randint(*context_len))])
@@ -325,9 +325,9 @@ def _memory_child(mode: str, model_dir: str, tokens: int, options: dict[str, Any
     out: dict[str, Any] = {"mode": mode}
     if mode != "loaded":
         mc = load_model_config(Path(model_dir))
-        from tokenmill.tools.bench import _token_range
+        from tokenmill.tools.bench_workloads import token_range
 
-        lo, hi = _token_range(mc.vocab_size, set(mc.eos_token_ids))
+        lo, hi = token_range(mc.vocab_size, set(mc.eos_token_ids))
         rng = random.Random(seed + 3)
         prompt = [rng.randint(lo, hi) for _ in range(tokens)]
         if mode == "scored":

@@ -40,7 +40,8 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.engine import cpu_elementwise
-from tokenmill.engine.attention import AttentionMetadata, cpu_amx_prefill, cpu_decode_kernel
+from tokenmill.engine.attention import cpu_amx_prefill, cpu_decode_kernel
+from tokenmill.engine.attention.metadata import AttentionMetadata
 
 # Decode bucketing: a bucket grows while its longest row has at most this factor more blocks than its
 # shortest (sorted ascending), so padded work is bounded by ~1.25x the real work; tiny buckets cost

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from tokenmill.engine.attention import AttentionMetadata
+from tokenmill.engine.attention.metadata import AttentionMetadata
 from tokenmill.kernels.kv_write import kv_write
 from tokenmill.kernels.paged_attention import paged_attention
 
