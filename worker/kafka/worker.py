@@ -253,18 +253,22 @@ class KafkaWorker:
             self.consumer = consumer
             self._assemble(loop, engine)
             self.consumer.subscribe([s.jobs_topic], listener=self.rebalance)
-            self.health.joining_since = time.monotonic()
-            if not await wait.join(lambda: self.health.group_joined, s.rebalance_allowance_s()):
-                return
-            self.health.joining_since = None
+            # The poll task starts at once: its first fetch waits inside aiokafka for the first
+            # assignment, and it is where a refusal of the group (a missing ACL) surfaces. The join
+            # below only waits, keeps the liveness probe fed and says how long it has been joining.
             tasks = [self._spawn(self.fetcher.run(), "poll"), self._spawn(self.commits.run(), "commit"),
                      self._spawn(self._look_up_dlq_partitions(), "dlq-partitions"),
                      self._spawn(self.broker_watch.run(), "broker-watch")]
-            await self._stop.wait()
-            await self._drain()
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            try:
+                self.health.joining_since = time.monotonic()
+                if await wait.join(lambda: self.health.group_joined, s.rebalance_allowance_s()):
+                    self.health.joining_since = None
+                    await self._stop.wait()
+                await self._drain()
+            finally:
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
         except BrokerUnreachable as exc:
             self._fail(str(exc), EXIT_BROKER_UNREACHABLE)
         finally:
