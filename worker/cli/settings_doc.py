@@ -44,7 +44,7 @@ def default_text(f: dataclasses.Field) -> str:
     else:
         return "required"
     if value is None:
-        return "unset (see help)"
+        return "unset"
     if isinstance(value, bool):
         return "on" if value else "off"
     return _code(value)
