@@ -248,7 +248,7 @@ LABEL_SCHEMA = {
 }
 
 
-def test_cli_refuses_bad_constraint_options_before_anything_runs(tmp_path, capsys):
+def test_cli_refuses_bad_constraint_options_before_anything_runs(tmp_path, tiny_llama_dir, capsys):
     from tokenmill.cli import main
 
     inp = _write_jsonl(tmp_path / "in.jsonl", _rows(2))
@@ -257,7 +257,8 @@ def test_cli_refuses_bad_constraint_options_before_anything_runs(tmp_path, capsy
     (tmp_path / "text.json").write_text('"an object, please"')
     (tmp_path / "pattern.json").write_text(json.dumps({"type": "string", "pattern": "(unclosed"}))
     (tmp_path / "ref.json").write_text(json.dumps({"$ref": "#/$defs/nope"}))
-    base = ["backfill", "--engine", "local", "--model", str(tmp_path / "no-model"), "--input", str(inp),
+    # A real model: a missing one is refused first, before the constraint is looked at.
+    base = ["backfill", "--engine", "local", "--model", str(tiny_llama_dir), "--input", str(inp),
             "--output", str(tmp_path / "out.jsonl"), "--prompt-column", "text", "--no-progress"]
     for extra, message in (
         (["--json-schema", str(tmp_path / "missing.json")], "--json-schema: no such file"),

@@ -128,8 +128,9 @@ def test_the_cli_runs_the_score_workload_and_writes_its_json(tmp_path, capsys):
     assert report["workload"] == "score" and report["requests"] == 4 and report["threads"] == 1
     assert report["prefill_tokens_computed"] < report["prompt_tokens"] and "memory_ratio" not in report
     assert "prefill tokens computed / prompt tokens" in capsys.readouterr().out
-    with pytest.raises(SystemExit, match="--memory-tokens is an option of --workload score"):
-        main(["bench", "--workload", "prefix", "--model", model, "--memory-tokens", "10"])
+    # Refused before anything loads, with the bad-usage exit code.
+    assert main(["bench", "--workload", "prefix", "--model", model, "--memory-tokens", "10"]) == 2
+    assert "--memory-tokens is an option of --workload score" in capsys.readouterr().err
 
 
 def test_a_model_too_short_for_the_memory_prompt_runs_from_a_copy_that_allows_it(tmp_path, monkeypatch):

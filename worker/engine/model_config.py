@@ -7,25 +7,14 @@ problem, never a model that silently computes something different from the refer
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-
-class CheckpointError(ValueError):
-    """A checkpoint directory cannot be loaded: the message names what is missing or unsupported."""
-
-
-# config.json model_type -> our architecture name, and the `architectures` class names that map to it.
-_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
-_ARCH_CLASSES = {
-    "LlamaForCausalLM": "llama",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-}
+# What a checkpoint folder holds is defined without torch (the CLI checks a folder before importing it).
+from tokenmill.engine.checkpoint_files import CheckpointError, architecture, read_json
 
 _DTYPE_NAMES = {
     "float32": torch.float32,
@@ -98,17 +87,6 @@ def resolve_dtype(dtype: str | torch.dtype, config_dtype: str | None, device: to
     return _DTYPE_NAMES[name]
 
 
-def read_json(path: Path) -> dict[str, Any]:
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{path} is not valid JSON: {exc}") from exc
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path} must hold a JSON object")
-    return data
-
-
 def _as_id_list(value: Any) -> list[int] | None:
     if value is None:
         return None
@@ -127,19 +105,6 @@ def read_eos_token_ids(model_dir: Path, config: dict[str, Any]) -> list[int]:
         if ids is not None:
             return ids
     return _as_id_list(config.get("eos_token_id")) or []
-
-
-def _architecture(config: dict[str, Any]) -> str:
-    model_type = config.get("model_type")
-    if model_type in _MODEL_TYPES:
-        return _MODEL_TYPES[model_type]
-    for cls in config.get("architectures") or []:
-        if cls in _ARCH_CLASSES:
-            return _ARCH_CLASSES[cls]
-    shown = model_type or (config.get("architectures") or ["(none given)"])[0]
-    raise CheckpointError(
-        f"unsupported architecture {shown!r}; supported: {', '.join(sorted(_ARCH_CLASSES))}"
-    )
 
 
 def _rope_config(config: dict[str, Any], max_len: int) -> RopeConfig:
@@ -166,7 +131,7 @@ def _rope_config(config: dict[str, Any], max_len: int) -> RopeConfig:
 
 
 def parse_model_config(model_dir: Path, config: dict[str, Any], dtype: torch.dtype) -> ModelConfig:
-    arch = _architecture(config)
+    arch = architecture(config)
     required = ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"]
     absent = [k for k in required if config.get(k) is None]
     if absent:

@@ -6,10 +6,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tokenmill.engine.model_config import CheckpointError
-
-# Files any of which lets AutoTokenizer build a tokenizer without the network.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+from tokenmill.engine.checkpoint_files import CheckpointError, has_tokenizer, no_tokenizer_message
 
 
 def load_tokenizer(path: str | Path):
@@ -19,8 +16,8 @@ def load_tokenizer(path: str | Path):
     model_dir = Path(path)
     if not model_dir.is_dir():
         raise CheckpointError(f"checkpoint directory {model_dir} does not exist")
-    if not any((model_dir / name).exists() for name in TOKENIZER_FILES):
-        raise CheckpointError(f"{model_dir} has no tokenizer (expected one of {', '.join(TOKENIZER_FILES)})")
+    if not has_tokenizer(model_dir):
+        raise CheckpointError(no_tokenizer_message(model_dir))
     try:
         return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
     except Exception as exc:  # transformers raises many types (OSError, ValueError, ...) for bad files

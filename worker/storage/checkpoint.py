@@ -259,6 +259,65 @@ def download_prefix(
     return report
 
 
+# The early check of an s3:// model answers within seconds: one try more, short timeouts (a download
+# keeps s3_client's patient retries).
+CHECK_TIMEOUT_S = 10.0
+CHECK_ATTEMPTS = 2
+
+
+def _checking_client(timeout_s: float):
+    import boto3
+    from botocore.config import Config
+
+    return boto3.session.Session().client("s3", config=Config(
+        connect_timeout=timeout_s, read_timeout=timeout_s, retries={"max_attempts": CHECK_ATTEMPTS, "mode": "standard"},
+        s3={"addressing_style": "path"},  # as s3_client: every S3-compatible server takes it
+    ))
+
+
+def s3_checkpoint_problems(model_url: str, *, weights: bool = True, timeout_s: float = CHECK_TIMEOUT_S) -> list[str]:
+    """What a command checks of an s3:// model before it loads anything (worker/cli/preflight.py):
+    the URL parses, the bucket answers these credentials, and the prefix holds a config.json of a
+    supported architecture, a tokenizer and (with ``weights``) safetensors weights. One listing and
+    one read of config.json; [] when all is there (the download checks sizes and ETags itself)."""
+    from tokenmill.engine.checkpoint_files import (
+        CONFIG_FILE,
+        TOKENIZER_FILES,
+        CheckpointError,
+        architecture,
+    )
+
+    try:
+        src = parse_s3_url(model_url)
+    except ValueError as exc:
+        return [str(exc)]
+    where = f"s3://{src.bucket}/{src.prefix}"  # the folder, with its slash
+    client = _checking_client(timeout_s)
+    try:
+        listing = client.list_objects_v2(Bucket=src.bucket, Prefix=src.prefix, MaxKeys=1000)
+        names = {obj["Key"][len(src.prefix):] for obj in listing.get("Contents", [])}
+        if not names:
+            return [f"{where}: no objects under this prefix"]
+        problems = []
+        if CONFIG_FILE not in names:
+            problems.append(f"{where} has no {CONFIG_FILE}: not a checkpoint folder")
+        else:
+            body = client.get_object(Bucket=src.bucket, Key=src.prefix + CONFIG_FILE)["Body"].read()
+            try:
+                config = json.loads(body)
+                architecture(config if isinstance(config, dict) else {})
+            except ValueError as exc:  # CheckpointError and bad JSON alike
+                reason = exc if isinstance(exc, CheckpointError) else f"not valid JSON: {exc}"
+                problems.append(f"{where}{CONFIG_FILE}: {reason}")
+    except Exception as exc:  # botocore raises many types: the user needs the URL and the reason
+        return [f"cannot read {where}: {exc}"]
+    if not names & set(TOKENIZER_FILES):
+        problems.append(f"{where} has no tokenizer (expected one of {', '.join(TOKENIZER_FILES)})")
+    if weights and not any(n.endswith(".safetensors") for n in names):
+        problems.append(f"{where} has no safetensors weights")
+    return problems
+
+
 def resolve_model_path(model_arg: str | os.PathLike, *, cache_dir: str | Path | None = None) -> Path:
     """What the worker and run-batch call with --model: a local folder as is, or an s3:// prefix
     downloaded (or found cached) and returned as its local folder."""

@@ -2,8 +2,9 @@
 
 One Job per dataset row; results are collected, deduplicated by job_id and written as one output row
 per input row, in input order. Rerun the same command after an interruption: only rows without a
-result are submitted again. With --engine kafka, a broker that refuses the credentials exits 76, a
-missing ACL 77.
+result are submitted again. Bad flags, an input that is not there, an output that cannot be written
+or (--engine local) a model folder that is not a checkpoint exit 2 before anything loads. With
+--engine kafka, a broker that refuses the credentials exits 76, a missing ACL 77.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import argparse
 import json
 import sys
 
+from tokenmill.cli import preflight
 from tokenmill.cli.commands._kafka_client import add_kafka_client_args, client_error_exit, kafka_client_kwargs
 from tokenmill.cli.engine_options import add_engine_options, engine_kwargs, positive_int
 
@@ -91,10 +93,29 @@ def _sampling(args: argparse.Namespace) -> dict:
     return with_constraint(sampling, constraint_from_options(args.json_schema, args.choice, args.whitespace))
 
 
+def problems(args: argparse.Namespace) -> list[str]:
+    """The files and, with --engine local, the model, checked before anything loads (an s3:// input,
+    output or model is looked at by the run itself, or by remote_model when all else is well)."""
+    from tokenmill.storage.s3 import is_s3_url
+
+    found = []
+    if not is_s3_url(args.input):
+        found += preflight.input_file(args.input, "--input")
+    for flag, path in (("--output", args.output), ("--state", args.state), ("--summary-json", args.summary_json)):
+        if path and not is_s3_url(path):
+            found += preflight.output_file(path, flag, input_path=None if is_s3_url(args.input) else args.input)
+    if args.engine == "local" and args.model:  # without --model the backend names what is missing
+        found += preflight.model(args.model)
+        if not found:
+            found = preflight.remote_model(args.model)
+    return found
+
+
 def handle(args: argparse.Namespace) -> int:
     from tokenmill.tools.backfill import BackfillConfig, BackfillIncomplete, JobSpec, run_backfill_sync
     from tokenmill.tools.backfill.datasets import DatasetError
 
+    found = problems(args)
     try:
         local = args.engine == "local"
         spec = JobSpec(
@@ -121,8 +142,9 @@ def handle(args: argparse.Namespace) -> int:
             max_in_flight=args.max_in_flight,
         )
     except ValueError as exc:
-        print(f"tokenmill backfill: {exc}", file=sys.stderr)
-        return 2
+        found.append(str(exc))
+    if found:
+        return preflight.fail("tokenmill backfill", found)
     summary = None
     code = 0
     try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from tokenmill.cli import preflight
 from tokenmill.cli.engine_options import add_engine_options, positive_int
 
 
@@ -52,7 +53,38 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def model_problems(name: str) -> list[str]:
+    """A bundled model name (tiny-llama is built on first use; smollm2 needs its package or its cached
+    conversion) or a checkpoint folder, checked without torch."""
+    if name == "tiny-llama":
+        return []
+    if name == "smollm2":
+        from tokenmill.tools.smollm2 import unavailable_reason
+
+        reason = unavailable_reason()
+        return [f"--model smollm2: {reason}"] if reason else []
+    return preflight.model(name)
+
+
+def problems(args: argparse.Namespace) -> list[str]:
+    """Everything wrong with the flags, the model and the report's path, found before torch loads;
+    then, only when there is none, whether the given broker answers (the kafka workload)."""
+    found = model_problems(args.model)
+    if args.json:
+        found += preflight.output_file(args.json, "--json")
+    if args.memory_tokens is not None and args.workload != "score":
+        found.append("--memory-tokens is an option of --workload score")
+    if args.bootstrap_servers and args.workload != "kafka":
+        found.append("--bootstrap-servers is an option of --workload kafka")
+    if not found and args.workload == "kafka" and args.bootstrap_servers:
+        found = preflight.broker(args.bootstrap_servers)
+    return found
+
+
 def run(args: argparse.Namespace) -> int:
+    found = problems(args)
+    if found:
+        return preflight.fail("tokenmill bench", found)
     import torch
 
     from tokenmill.cli.engine_options import engine_kwargs
@@ -77,8 +109,6 @@ def run(args: argparse.Namespace) -> int:
         workload_options = {"threads": args.threads}
         if args.memory_tokens is not None:
             workload_options["memory_tokens"] = args.memory_tokens
-    elif args.memory_tokens is not None:
-        raise SystemExit("--memory-tokens is an option of --workload score")
     report = run_bench(
         args.workload, args.model, num_requests=args.requests, seed=args.workload_seed,
         engine_options=options, full_sweep=args.full_sweep, repeats=args.repeats,

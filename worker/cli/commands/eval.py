@@ -7,7 +7,8 @@ engine runs in this process (the engine flags apply); with it every request beco
 the jobs topic, answered by the workers serving the model, and the Results are gathered from the
 results topic into a state file: rerun with the same --state after an interruption or a --timeout
 and only the jobs without a Result are sent again. Task datasets are read offline (HF_DATASETS_OFFLINE
-and HF_HUB_OFFLINE default to 1). Exit codes: 1 a request failed (its error quoted), 2 bad input,
+and HF_HUB_OFFLINE default to 1). Exit codes: 1 a request failed (its error quoted), 2 bad input
+(checked before anything loads: the flags, the files, the model folder, the broker answering),
 3 Results still missing (the state is kept), 76 / 77 a broker refusing the credentials / a missing
 ACL.
 """
@@ -22,6 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from tokenmill.cli import preflight
 from tokenmill.cli.commands._kafka_client import add_kafka_client_args, client_error_exit, kafka_client_kwargs
 from tokenmill.cli.engine_options import (
     add_engine_options,
@@ -141,6 +143,48 @@ def _served_model_name(args: argparse.Namespace, local_dir: Path) -> str:
     return Path(str(local_dir).rstrip("/")).name
 
 
+def problems(args: argparse.Namespace) -> list[str]:
+    """Everything wrong with the command line, its files, its model and its broker, found before lm-eval,
+    torch or a model loads (worker/cli/preflight.py): every local problem at once, then, only when
+    there is none, the round trips (an s3:// model, the broker)."""
+    found = []
+    for check in (lambda: _task_names(args.tasks), lambda: _check_mode_flags(args), lambda: _generation_flags(args)):
+        try:
+            check()
+        except EvalUsageError as exc:
+            found.append(str(exc))
+    for folder in args.include_path:
+        found += preflight.folder(folder, "--include-path")
+    if args.output:
+        found += preflight.output_file(args.output, "--output")
+    if args.bootstrap_servers and args.state:
+        found += preflight.output_file(args.state, "--state")
+    fleet = bool(args.bootstrap_servers)
+    found += preflight.model(args.model, weights=not fleet)  # through Kafka: the tokenizer and config only
+    if not _lm_eval_installed():
+        found.append(INSTALL_HINT)
+    if found:
+        return found
+    return [*preflight.remote_model(args.model, weights=not fleet),
+            *(preflight.broker(args.bootstrap_servers) if fleet else [])]
+
+
+def _generation_flags(args: argparse.Namespace) -> None:
+    if args.max_gen_toks < 1:
+        raise EvalUsageError(f"--max-gen-toks must be >= 1, got {args.max_gen_toks}")
+    if args.fewshot_as_multiturn and not args.apply_chat_template:
+        raise EvalUsageError("--fewshot-as-multiturn needs --apply-chat-template")
+
+
+def _lm_eval_installed() -> bool:
+    """Whether lm-eval can be imported, without importing it (a module set to None counts as absent)."""
+    import importlib.util
+
+    if "lm_eval" in sys.modules:
+        return sys.modules["lm_eval"] is not None
+    return importlib.util.find_spec("lm_eval") is not None
+
+
 def _set_offline() -> None:
     for name in OFFLINE_VARIABLES:
         os.environ.setdefault(name, "1")
@@ -239,10 +283,7 @@ def run_eval(args: argparse.Namespace) -> dict[str, Any]:
     """The evaluation the flags describe; lm-eval's results dict."""
     tasks = _task_names(args.tasks)
     _check_mode_flags(args)
-    if args.max_gen_toks < 1:
-        raise EvalUsageError(f"--max-gen-toks must be >= 1, got {args.max_gen_toks}")
-    if args.fewshot_as_multiturn and not args.apply_chat_template:
-        raise EvalUsageError("--fewshot-as-multiturn needs --apply-chat-template")
+    _generation_flags(args)
     _set_offline()
     try:
         import lm_eval
@@ -279,6 +320,9 @@ def handle(args: argparse.Namespace) -> int:
     from tokenmill.eval.kafka_runner import EvalIncomplete, EvalStateMismatch
 
     prog = "tokenmill eval"
+    found = problems(args)
+    if found:
+        return preflight.fail(prog, found)
     try:
         results = run_eval(args)
     except ImportError as exc:

@@ -4,14 +4,19 @@ Each non-blank input line is a Job or an OpenAI batch line (``custom_id`` + ``bo
 exactly one output line, in input order: a Result (``--output-format tokenmill``, the default) or
 an OpenAI Batch output line (``--output-format openai``). A line that cannot run (bad JSON, a
 schema violation, a wrong ``model``, a prompt the model cannot take) gets an error Result with the
-reason, and the run goes on. Exit code 0 when every line got its output line.
+reason, and the run goes on. Exit code 0 when every line got its output line; 2, before anything
+is loaded, for a missing or unreadable input, an output it cannot write, or a model that is not a
+checkpoint (worker/cli/preflight.py), each problem on a line of its own.
 """
 
 from __future__ import annotations
 
 import argparse
 
+from tokenmill.cli import preflight
 from tokenmill.cli.engine_options import add_engine_options, engine_config_from_args, positive_int
+
+PROG = "tokenmill run-batch"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -39,6 +44,20 @@ def served_model_name(args: argparse.Namespace) -> str | None:
     return args.served_model_name
 
 
+def problems(args: argparse.Namespace) -> list[str]:
+    """Everything wrong with the command line, its files and its model, found without torch."""
+    found = [
+        *preflight.input_file(args.input, "input"),
+        *preflight.output_file(args.output, "output", input_path=args.input),
+        *preflight.model(args.model),
+    ]
+    try:  # the settings' cross-field rules (each flag's own bounds were argparse's)
+        engine_config_from_args(args, args.model, served_model_name=served_model_name(args))
+    except ValueError as exc:
+        found.append(str(exc))
+    return found or preflight.remote_model(args.model)
+
+
 def build_runner(args: argparse.Namespace):
     """The engine from the flags, and the BatchRunner that drives it."""
     from tokenmill.batch_runner import BatchRunner
@@ -52,7 +71,16 @@ def build_runner(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    runner = build_runner(args)
+    found = problems(args)
+    if found:
+        return preflight.fail(PROG, found)
+    from tokenmill.engine.checkpoint_files import CheckpointError
+    from tokenmill.storage.s3 import S3Error
+
+    try:
+        runner = build_runner(args)
+    except (CheckpointError, S3Error, FileNotFoundError) as exc:  # what only the load itself could find
+        return preflight.fail(PROG, [f"--model {args.model}: {exc}"])
     summary = runner.run(args.input, args.output)
     print(
         f"run-batch: {summary['lines']} lines -> {summary['ok']} ok, {summary['error']} error, "

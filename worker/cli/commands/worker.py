@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from tokenmill.cli import preflight
 from tokenmill.cli.commands._kafka_client import add_kafka_security_args, kafka_security_from_args
 from tokenmill.cli.engine_options import (
     add_engine_options,
@@ -133,6 +134,11 @@ def run(args) -> int:
     except ValueError as exc:
         print(f"tokenmill worker: {exc}", file=sys.stderr)
         return 2
+    # The model folder (or s3:// prefix) before anything loads; the broker is not checked here: a
+    # worker that starts before Kafka waits for it (--broker-wait-timeout) while its model loads.
+    problems = preflight.model(args.model) or preflight.remote_model(args.model)
+    if problems:
+        return preflight.fail("tokenmill worker", problems)
 
     from tokenmill.kafka.worker import KafkaWorker
 
