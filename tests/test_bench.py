@@ -1,6 +1,9 @@
 """`tokenmill bench`: a tiny run of each workload writes a JSON report with the agreed fields."""
 
 import json
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -9,6 +12,7 @@ from tokenmill.cli import main
 FIELDS = {
     "workload", "model", "engine_output_tok_s", "baseline_output_tok_s", "ratio", "kv_slot_utilization_peak",
     "engine_overhead_fraction", "prompt_tokens", "prefill_tokens_computed", "cached_prompt_tokens",
+    "startup_s", "first_result_s",
 }
 
 
@@ -35,7 +39,25 @@ def test_bench_writes_report(tmp_path, tiny_llama_dir, workload, requests, capsy
         assert report["cached_prompt_tokens"] == (requests - 1) * 512
         assert report["prefill_tokens_computed"] == report["prompt_tokens"] - report["cached_prompt_tokens"]
         assert report["baseline_prefill_tokens_computed"] == report["prompt_tokens"]
-    assert "ratio" in capsys.readouterr().out
+    assert report["startup_s"] > 0 and report["first_result_s"] > 0
+    table = capsys.readouterr().out
+    assert "ratio" in table and "s  (process start -> engine ready)" in table
+
+
+def test_a_bench_process_reports_its_start_and_its_first_result(tmp_path, tiny_llama_dir):
+    """From the process's own start to its first engine ready, then to that engine's first
+    finished request: both inside the process's wall time, one after the other."""
+    out = tmp_path / "bench.json"
+    t0 = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "tokenmill.cli", "bench", "--workload", "prefix", "--model",
+                           str(tiny_llama_dir), "--requests", "2", "--kv-cache-gb", "0.05", "--json", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    wall = time.perf_counter() - t0
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert 0 < report["startup_s"] and 0 < report["first_result_s"]
+    assert report["startup_s"] + report["first_result_s"] < wall
+    assert f"{report['startup_s']:.2f} s" in done.stdout and f"{report['first_result_s']:.2f} s" in done.stdout
 
 
 STRUCTURED_FIELDS = {
@@ -68,7 +90,9 @@ def test_bench_structured_constrains_every_row_and_compares_it_with_the_same_row
     assert report["step_overhead_fraction"] == pytest.approx(
         report["step_ms_constrained"] / report["step_ms_unconstrained"] - 1)
     assert report["peak_decode_steps_constrained"] >= 1 and report["peak_decode_steps_unconstrained"] >= 1
-    assert "step overhead at peak" in capsys.readouterr().out
+    assert report["startup_s"] > 0 and report["first_result_s"] > 0
+    table = capsys.readouterr().out
+    assert "step overhead at peak" in table and "s  (engine ready -> first request done)" in table
 
 
 @pytest.mark.kafka
@@ -79,3 +103,4 @@ def test_bench_kafka_workload_is_reachable_from_the_cli(tmp_path, tiny_llama_dir
     assert code == 0
     report = json.loads(out.read_text())
     assert report["workload"] == "kafka" and report["requests"] == 2 and report["ratio"] > 0
+    assert report["startup_s"] > 0 and report["first_result_s"] > 0

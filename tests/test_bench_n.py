@@ -13,5 +13,7 @@ def test_n_workload_report():
     assert report["baseline_prefill_tokens_computed"] > report["prompt_tokens"]  # singles recompute last blocks
     assert report["identical_to_singles"] is True and report["identical_across_runs"] is True
     assert report["output_tokens"] == 24 * 32 and report["ratio"] > 0 and report["peak_rss_mb"] > 0
+    assert report["startup_s"] > 0 and report["first_result_s"] > 0
     table = format_table(report)
     assert "prefill tokens computed (n)" in table and "identical to single seeded jobs" in table
+    assert "s  (process start -> engine ready)" in table

@@ -17,6 +17,13 @@ Throughput is requested output tokens per second of wall time, from the moment a
 handed over to the moment the last finishes (model loading and a short warm-up excluded, for both
 sides). Everything runs in one process, one after the other, with the same torch thread count.
 
+Every workload's report (table and JSON) also says how the process started (tools/bench_startup.py):
+- startup_s: from the process's own start to its first engine ready (Engine() returned): the
+  imports, the weights, the tokenizer, the KV cache; the kafka workload's throw-away broker is
+  not counted.
+- first_result_s: from that engine ready to its first finished request (the warm-up's first,
+  alone): what a first job waits beyond the start.
+
 Finding the best static batch for `mixed`: every candidate runs a calibration sample (the first 64
 requests of the workload, or all with `full_sweep`); the winner then runs the whole workload.
 """
@@ -31,6 +38,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tokenmill.tools.bench_startup import new_engine, startup_fields, startup_rows, warm_up
 from tokenmill.tools.bench_workloads import (  # noqa: F401 (re-exported: the benches' public names)
     Workload,
     mixed_workload,
@@ -87,12 +95,12 @@ def run_engine(
 ) -> EngineRun:
     """The engine on `work` after a warm-up; `before_timed` runs after the warm-up, just before the
     clock starts (tools/scaling_ceiling.py lines up two processes' timed runs with it)."""
-    from tokenmill.engine import Engine, EngineConfig
+    from tokenmill.engine import EngineConfig
     from tokenmill.engine.engine import EngineMetrics
 
-    engine = Engine(EngineConfig(model=str(model_dir), **engine_options))
+    engine = new_engine(EngineConfig(model=str(model_dir), **engine_options))
     # Warm-up (allocator, kernels, plans): two short requests whose tokens share nothing with the work.
-    engine.generate(_engine_requests(warm_up_workload(), "warm"))
+    warm_up(engine, _engine_requests(warm_up_workload(), "warm"))
     engine.metrics = EngineMetrics()
     cached_before = engine.stats().cached_prompt_tokens_total
     steps_before = engine.stats().steps
@@ -220,9 +228,27 @@ def run_bench(
     repeats: int = 3,
     workload_options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """One workload's report; `repeats` is the structured workload's number of (constrained,
-    unconstrained) pairs of passes; `workload_options` go to the score workload's run_score
-    (context_len, continuation_len, memory_tokens, threads)."""
+    """One workload's report, startup_s and first_result_s included (tools/bench_startup.py);
+    `repeats` is the structured workload's number of (constrained, unconstrained) pairs of passes;
+    `workload_options` go to the score workload's run_score (context_len, continuation_len,
+    memory_tokens, threads)."""
+    report = _workload_report(workload, model, num_requests=num_requests, seed=seed, engine_options=engine_options,
+                              full_sweep=full_sweep, repeats=repeats, workload_options=workload_options)
+    report.update(startup_fields())
+    return report
+
+
+def _workload_report(
+    workload: str,
+    model: str,
+    *,
+    num_requests: int | None,
+    seed: int,
+    engine_options: dict[str, Any] | None,
+    full_sweep: bool,
+    repeats: int,
+    workload_options: dict[str, Any] | None,
+) -> dict[str, Any]:
     if workload not in WORKLOADS:
         raise ValueError(f"unknown workload {workload!r}; choose one of {', '.join(WORKLOADS)}")
     from tokenmill.engine.model_config import load_model_config
@@ -338,6 +364,7 @@ def format_table(report: dict[str, Any]) -> str:
     ]
     if "baseline_batch_size" in report:
         rows.append(("baseline batch size", report["baseline_batch_size"]))
+    rows += startup_rows(report)
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 

@@ -14,6 +14,8 @@ jobs with greedy sampling and ignore_eos). The Kafka side:
 
 ratio = Kafka output tok/s / engine-alone output tok/s (goal >= 0.90): what the delivery layer
 costs. A broker is started for the run (a throw-away data directory) unless one is given.
+startup_s and first_result_s are the first engine-alone run's (tools/bench_startup.py), the
+broker's start left out.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from tokenmill.tools.bench_startup import excluded, new_engine, startup_fields, startup_rows, warm_up
 
 
 def _jobs(work) -> list[bytes]:
@@ -43,7 +47,7 @@ async def _through_kafka(bootstrap: str, model_dir: Path, work, engine_options: 
     from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
     from tokenmill.config import WorkerSettings
-    from tokenmill.engine import Engine, EngineConfig
+    from tokenmill.engine import EngineConfig
     from tokenmill.kafka.admin import create_topic
     from tokenmill.kafka.worker import KafkaWorker
     from tokenmill.tools.bench import _engine_requests, warm_up_workload
@@ -53,8 +57,8 @@ async def _through_kafka(bootstrap: str, model_dir: Path, work, engine_options: 
     for name in topics.values():
         await create_topic(bootstrap, name, 1)
 
-    engine = Engine(EngineConfig(model=str(model_dir), **engine_options))
-    engine.generate(_engine_requests(warm_up_workload(), "warm"))  # the same warm-up as the engine-alone run
+    engine = new_engine(EngineConfig(model=str(model_dir), **engine_options))
+    warm_up(engine, _engine_requests(warm_up_workload(), "warm"))  # the same warm-up as the engine-alone run
 
     producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", enable_idempotence=True, linger_ms=5,
                                 max_request_size=8 << 20)
@@ -142,7 +146,8 @@ def run_kafka_bench(
 
         broker = LocalKafka(port=free_port(), data_dir=Path(tempfile.mkdtemp(prefix="tokenmill-bench-kafka-")),
                             controller_port=free_port())
-        broker.start(timeout=180, owner_pid=os.getpid(), auto_create_topics=False)
+        with excluded():  # no engine command starts a broker: not part of startup_s
+            broker.start(timeout=180, owner_pid=os.getpid(), auto_create_topics=False)
         bootstrap = broker.bootstrap
     try:
         # Engine alone before and after the Kafka run (the broker idles meanwhile), so a change
@@ -179,6 +184,7 @@ def run_kafka_bench(
         "output_tokens": work.output_tokens,
         "prompt_tokens": work.prompt_tokens,
         "engine_options": options,
+        **startup_fields(),
     }
 
 
@@ -194,6 +200,7 @@ def format_kafka_table(report: dict[str, Any]) -> str:
         ("ratio by process CPU time", f"{report['ratio_by_cpu_time']:.3f}  ({report['engine_cpu_s']:.1f} s alone, "
                                       f"{report['kafka_cpu_s']:.1f} s through Kafka)"),
     ]
+    rows += startup_rows(report)
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 

@@ -22,6 +22,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tokenmill.tools.bench_startup import new_engine, startup_rows, warm_up
+
 NUM_PROMPTS = 32
 SAMPLES = 8
 MAX_TOKENS = 32
@@ -47,12 +49,12 @@ def _sampling(seed: int, n: int = 1):
 
 def _timed_run(model_dir: Path, options: dict[str, Any], requests) -> tuple[dict, float, int]:
     """(final deltas by id, wall seconds, prefill tokens computed) of one run on a fresh engine."""
-    from tokenmill.engine import Engine, EngineConfig
+    from tokenmill.engine import EngineConfig
     from tokenmill.engine.metrics import EngineMetrics
     from tokenmill.engine.types import EngineRequest
 
-    engine = Engine(EngineConfig(model=str(model_dir), **options))
-    engine.generate([EngineRequest(request_id="warm", prompt_token_ids=[1] * 40, sampling=_sampling(1, 2))])
+    engine = new_engine(EngineConfig(model=str(model_dir), **options))
+    warm_up(engine, [EngineRequest(request_id="warm", prompt_token_ids=[1] * 40, sampling=_sampling(1, 2))])
     engine.metrics = EngineMetrics()
     t0 = time.perf_counter()
     results = engine.generate(requests)
@@ -139,5 +141,6 @@ def format_n_table(report: dict[str, Any]) -> str:
         ("identical across runs", report["identical_across_runs"]),
         ("peak RSS MB", f"{report['peak_rss_mb']:.0f}"),
     ]
+    rows += startup_rows(report)
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

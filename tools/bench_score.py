@@ -57,6 +57,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tokenmill.tools.bench_startup import new_engine, startup_rows, warm_up
+
 NUM_QUESTIONS = 64
 CHOICES = 4
 CONTEXT_LEN = (384, 416)  # inclusive range of a question's context length
@@ -176,13 +178,13 @@ def _finished_sums(results: dict, requests: list) -> list[float]:
 
 
 def run_engine_score(model_dir: Path, work: ScoreWorkload, engine_options: dict[str, Any]) -> dict[str, Any]:
-    from tokenmill.engine import Engine, EngineConfig
+    from tokenmill.engine import EngineConfig
     from tokenmill.engine.engine import EngineMetrics
 
-    engine = Engine(EngineConfig(model=str(model_dir), **engine_options))
+    engine = new_engine(EngineConfig(model=str(model_dir), **engine_options))
     # Warm-up in its own tenant, so nothing of it is a cache hit for the work.
     warm = _score_requests([[1] * 40 + [2] * 8, [2] * 20], [40, 10], "warm", tenant="bench-warm-up")
-    engine.generate(warm)
+    warm_up(engine, warm)
     engine.metrics = EngineMetrics()
     before = engine.stats()
 
@@ -482,6 +484,7 @@ def format_score_table(report: dict[str, Any]) -> str:
         rows.append((f"peak RSS, {report['memory_prompt_tokens']}-token prompt",
                      f"scored {report['peak_rss_mb_scored']:.0f} / plain {report['peak_rss_mb_plain']:.0f} MiB = "
                      f"{report['memory_ratio']:.3f}  (engine loaded: {report['peak_rss_mb_loaded']:.0f} MiB)"))
+    rows += startup_rows(report)
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 

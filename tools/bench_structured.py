@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tokenmill.tools.bench_startup import new_engine, startup_rows, warm_up
 from tokenmill.tools.structured_workload import StructuredWorkload, check_outputs
 
 
@@ -187,10 +188,10 @@ def run_structured(model_dir: Path, work: StructuredWorkload, engine_options: di
 
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
-    engine = Engine(EngineConfig(model=str(model_dir), **engine_options))
+    engine = new_engine(EngineConfig(model=str(model_dir), **engine_options))
     # Warm-up outside the timings: kernels and plans, and the constraint backend's first use (its
     # tokenizer tables) through a choice constraint that none of the workload's requests share.
-    engine.generate([
+    warm_up(engine, [
         EngineRequest(request_id="warm-0", prompt_token_ids=[1] * 40,
                       sampling=SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)),
         EngineRequest(request_id="warm-1", prompt_token_ids=[2] * 20,
@@ -312,5 +313,6 @@ def format_structured_table(report: dict[str, Any]) -> str:
     rows += [(f"  {name}", f"{e['stop']}/{e['requests']} stop, {e['mean_tokens']:.0f} tokens mean")
              for name, e in r["per_schema"].items()]
     rows += [("problem", p) for p in r["problems"]]
+    rows += startup_rows(report)
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

@@ -26,8 +26,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "transformers computing the same loglikelihoods (best batch of 8/32), plus the peak memory of "
             "one --memory-tokens prompt scored against the same prompt plain. n: 32 prompts (200-300 "
             "tokens) with n = 8 samples of 32 tokens, against the same 256 samples as single seeded "
-            "jobs (prefix cache on in both; --requests sets the prompts). Prints a table; --json "
-            "writes the report."
+            "jobs (prefix cache on in both; --requests sets the prompts). Every report also gives startup_s "
+            "(from the process's start to its first engine ready) and first_result_s (from there to that "
+            "engine's first finished request). Prints a table; --json writes the report."
         ),
     )
     p.add_argument("--workload", required=True, choices=["mixed", "prefix", "kafka", "structured", "score", "n"])
