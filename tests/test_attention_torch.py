@@ -1,27 +1,36 @@
 """The torch paged-attention backend against a direct per-token reference."""
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
 
-from tokenmill.engine import c_build
 from tokenmill.engine.attention import (
     AttentionMetadata,
-    cpu_decode_kernel,
     get_attention_backend,
     torch_backend,
 )
 from tokenmill.engine.attention.torch_backend import TorchAttentionBackend, build_plan
+from tokenmill.kernels.cpu import build, decode_attention
+from tokenmill.kernels.cpu.paths import CpuPaths, default_cpu_paths
 
 # Both decode paths: the C kernel (fp32 on CPU, built on first use) and plain torch.
 PATHS = [pytest.param(True, id="c-kernel"), pytest.param(False, id="torch")]
 
 
+def backend_with(use_cpu_kernel: bool) -> TorchAttentionBackend:
+    """The backend with the C decode attention taken or not (the engine's cpu_attention_kernel)."""
+    return TorchAttentionBackend(replace(default_cpu_paths(), decode_attention=use_cpu_kernel))
+
+
 def test_cpu_kernel_builds_here():
     # The machines this project runs its tests on have a C compiler: the fast path must be active.
-    assert cpu_decode_kernel.available()
+    assert decode_attention.available()
     assert TorchAttentionBackend().use_cpu_kernel
+    # A backend handed paths without the kernel (a CUDA engine's, or the setting off) keeps torch.
+    assert not TorchAttentionBackend(CpuPaths()).use_cpu_kernel
+    assert get_attention_backend("torch", "cpu", CpuPaths()).use_cpu_kernel is False
 
 
 def reference_attention(query, keys, values, rows, scale):
@@ -88,7 +97,7 @@ def random_case(seed, q_lens_and_ctx, num_heads, num_kv_heads, head_dim, block_s
 
 
 def run_backend(case, scale, use_cpu_kernel=False):
-    backend = TorchAttentionBackend(use_cpu_kernel=use_cpu_kernel)
+    backend = backend_with(use_cpu_kernel)
     backend.write_kv(case["new_keys"], case["new_values"], case["key_cache"], case["value_cache"],
                      case["meta"].slot_mapping)
     return backend.attend(case["query"], case["key_cache"], case["value_cache"], case["meta"], scale)
@@ -193,11 +202,11 @@ def test_kernel_gives_identical_results_on_several_threads():
     lens = [(1, c) for c in range(0, 900, 37)]
     case = random_case(12, lens, 4, 2, 16, 8)
     meta, kc, vc = case["meta"], case["key_cache"], case["value_cache"]
-    TorchAttentionBackend(use_cpu_kernel=True).write_kv(case["new_keys"], case["new_values"], kc, vc, meta.slot_mapping)
+    backend_with(True).write_kv(case["new_keys"], case["new_values"], kc, vc, meta.slot_mapping)
     outs = []
     for threads in (1, 3):
         out = torch.zeros_like(case["query"])
-        cpu_decode_kernel.paged_decode_attention(
+        decode_attention.paged_decode_attention(
             case["query"], kc, vc, meta.block_tables.contiguous(), torch.tensor(meta.query_start_loc_cpu[:-1]),
             torch.arange(len(lens)), meta.seq_lens, meta.max_seq_len, out, 0.25, num_threads=threads,
         )
@@ -229,7 +238,7 @@ def test_write_kv_puts_each_token_at_its_slot():
 @pytest.mark.parametrize("use_cpu_kernel", PATHS)
 def test_plan_is_rebuilt_when_block_table_changes_in_place(use_cpu_kernel):
     case = random_case(2, [(1, 9), (1, 3)], 2, 2, 8, 4)
-    backend = TorchAttentionBackend(use_cpu_kernel=use_cpu_kernel)
+    backend = backend_with(use_cpu_kernel)
     meta = case["meta"]
     backend.write_kv(case["new_keys"], case["new_values"], case["key_cache"], case["value_cache"], meta.slot_mapping)
     first = backend.attend(case["query"], case["key_cache"], case["value_cache"], meta, 0.3)
@@ -248,7 +257,7 @@ def test_plan_is_rebuilt_when_block_table_changes_in_place(use_cpu_kernel):
 def test_bad_metadata_is_a_clear_error(use_cpu_kernel):
     case = random_case(4, [(1, 30)], 2, 2, 8, 4)
     meta = case["meta"]
-    backend = TorchAttentionBackend(use_cpu_kernel=use_cpu_kernel)
+    backend = backend_with(use_cpu_kernel)
     tables = meta.block_tables
     meta.block_tables = tables[:, :3]  # the row needs 8 blocks
     with pytest.raises(ValueError, match="needs 8 blocks"):
@@ -284,9 +293,9 @@ def _libgomp_files() -> set[str]:
         return {line.split()[-1] for line in f if "libgomp" in line}
 
 
-@pytest.mark.skipif(not cpu_decode_kernel.available(), reason="no C compiler")
+@pytest.mark.skipif(not decode_attention.available(), reason="no C compiler")
 def test_the_kernel_runs_on_torchs_openmp_runtime_not_a_second_one():
-    lib = cpu_decode_kernel.load()
+    lib = decode_attention.load()
     assert lib is not None
     assert _imports(lib._name, "GOMP_parallel")  # built with OpenMP
     # One libgomp in the process (torch's): the kernel's threads are the ones torch's GEMMs use.
@@ -300,13 +309,13 @@ def _imports(path: str, symbol: str) -> bool:
     return any(line.split()[-1].startswith(symbol) for line in out.stdout.splitlines())
 
 
-@pytest.mark.skipif(not cpu_decode_kernel.available(), reason="no C compiler")
+@pytest.mark.skipif(not decode_attention.available(), reason="no C compiler")
 def test_without_openmp_the_pthread_build_is_used(tmp_path, monkeypatch):
     import subprocess
 
-    monkeypatch.setattr(c_build, "OPENMP_FLAGS", ["-fno-such-flag-for-this-test"])
+    monkeypatch.setattr(build, "OPENMP_FLAGS", ["-fno-such-flag-for-this-test"])
     monkeypatch.setenv("TOKENMILL_CACHE", str(tmp_path))
-    fresh = c_build.OnDemandLibrary("paged_decode", cpu_decode_kernel._SOURCE, "test build", cpu_decode_kernel._declare)
+    fresh = build.OnDemandLibrary("decode_attention.c", "test build", decode_attention._declare)
     lib = fresh.get()
     assert lib is not None and str(tmp_path) in lib._name
     out = subprocess.run(["nm", "-D", "--undefined-only", lib._name], capture_output=True, text=True, check=True)

@@ -1,16 +1,20 @@
-"""The AMX split-bfloat16 GEMM (worker/engine/cpu_amx_gemm.py): float32's accuracy against float64,
-a row's bits independent of the row count, the other rows, the thread count and the K slabs, and the
-choice of the layers' GEMM. The kernel tests need a CPU with AMX; the choice tests run anywhere."""
+"""The AMX split-bfloat16 GEMM (kernels/cpu/amx_gemm.py): float32's accuracy against float64, a row's
+bits independent of the row count, the other rows, the thread count and the K slabs, and the choice
+of the layers' GEMM. The kernel tests need a CPU with AMX; the choice tests run anywhere."""
 
 import threading
+from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from tokenmill.engine import cpu_amx_gemm, cpu_gemm
+from tokenmill.kernels.cpu import amx_gemm, gemm
+from tokenmill.kernels.cpu.paths import LAYERS_MIN_HIDDEN, SETTINGS, CpuPaths, resolve_cpu_paths
+from tokenmill.kernels.cpu.paths import default_cpu_paths as auto_paths
 
-needs_amx = pytest.mark.skipif(not cpu_amx_gemm.available(), reason="this CPU has no AMX tiles (bf16)")
+needs_amx = pytest.mark.skipif(not amx_gemm.available(), reason="this CPU has no AMX tiles (bf16)")
 
 
 def _case(m, k, n, seed=0, spread=True):
@@ -33,12 +37,12 @@ def _relative_error(got, x, weight, bias=None):
 @pytest.mark.parametrize("m,k,n", [(1, 32, 32), (7, 40, 48), (37, 576, 960), (256, 1536, 576), (300, 688, 256)])
 def test_products_are_as_accurate_as_float32_against_float64(m, k, n):
     x, weight, bias = _case(m, k, n)
-    got = cpu_amx_gemm.SplitWeight(weight).linear(x, bias)
+    got = amx_gemm.SplitWeight(weight).linear(x, bias)
     assert got.shape == (m, n) and got.dtype == torch.float32
     amx = _relative_error(got, x, weight, bias)
     onednn = _relative_error(F.linear(x, weight, bias), x, weight, bias)
     # The three parts keep float32's 24 bits: the error is float32 rounding, not bfloat16's 2^-9.
-    assert amx < cpu_amx_gemm.SELF_CHECK_BOUND
+    assert amx < amx_gemm.SELF_CHECK_BOUND
     assert amx <= 2 * onednn + 1e-7
 
 
@@ -47,13 +51,13 @@ def test_dropping_a_part_would_show():
     """The test above can fail: the same GEMM with the inputs rounded to one bfloat16 part is far off."""
     x, weight, _ = _case(64, 576, 96)
     coarse = F.linear(x.bfloat16().float(), weight.bfloat16().float())
-    assert _relative_error(coarse, x, weight) > 100 * cpu_amx_gemm.SELF_CHECK_BOUND
+    assert _relative_error(coarse, x, weight) > 100 * amx_gemm.SELF_CHECK_BOUND
 
 
 @needs_amx
 def test_a_row_gets_the_same_bits_at_any_row_count_and_beside_any_rows():
     x, weight, bias = _case(600, 1100, 70, seed=1)  # 1,100 inputs: several K slabs at 256 rows
-    split = cpu_amx_gemm.SplitWeight(weight)
+    split = amx_gemm.SplitWeight(weight)
     full = split.linear(x, bias)
     for rows in (1, 2, 15, 31, 32, 33, 100, 255, 256, 257, 513):
         assert torch.equal(split.linear(x[:rows], bias), full[:rows]), rows
@@ -63,14 +67,14 @@ def test_a_row_gets_the_same_bits_at_any_row_count_and_beside_any_rows():
 
 
 @needs_amx
-# Every way the threads share a call (cpu_amx_gemm.COLUMN_MAJOR_BLOCKS): column-major with each
+# Every way the threads share a call (amx_gemm.COLUMN_MAJOR_BLOCKS): column-major with each
 # thread's own split (40 rows), column-major with the split shared (130 rows x a 3.5 MB weight),
 # row-major (130 rows x a small weight; 300 and 1,100 rows: runs that start inside a row block, and
 # several passes per thread at 1-3 threads).
 @pytest.mark.parametrize(("rows", "n"), [(40, 1000), (130, 1000), (130, 200), (300, 1000), (1100, 300)])
 def test_a_row_gets_the_same_bits_at_any_thread_count(rows, n):
     x, weight, bias = _case(rows, 576, n, seed=3)
-    split = cpu_amx_gemm.SplitWeight(weight)
+    split = amx_gemm.SplitWeight(weight)
     before = torch.get_num_threads()
     try:
         results = []
@@ -80,13 +84,13 @@ def test_a_row_gets_the_same_bits_at_any_thread_count(rows, n):
     finally:
         torch.set_num_threads(before)
     assert all(torch.equal(r, results[0]) for r in results[1:])
-    assert _relative_error(results[0], x, weight, bias) < cpu_amx_gemm.SELF_CHECK_BOUND
+    assert _relative_error(results[0], x, weight, bias) < amx_gemm.SELF_CHECK_BOUND
 
 
 @needs_amx
 def test_strided_rows_and_no_rows():
     x, weight, _ = _case(40, 96, 64, seed=4)
-    split = cpu_amx_gemm.SplitWeight(weight)
+    split = amx_gemm.SplitWeight(weight)
     wide = torch.zeros(40, 192)
     wide[:, ::2] = x
     assert torch.equal(split.linear(wide[:, ::2]), split.linear(x))  # a column-strided view is copied
@@ -98,7 +102,7 @@ def test_strided_rows_and_no_rows():
 @needs_amx
 def test_a_packed_weight_is_split_again_after_an_in_place_write():
     x, weight, bias = _case(5, 48, 64, seed=5, spread=False)
-    packed = cpu_gemm.PackedWeight(weight, "amx")
+    packed = gemm.PackedWeight(weight, "amx")
     torch.testing.assert_close(packed.linear(x, bias), F.linear(x, weight, bias), atol=1e-5, rtol=1e-5)
     first = packed.packed()
     assert packed.packed() is first
@@ -107,45 +111,41 @@ def test_a_packed_weight_is_split_again_after_an_in_place_write():
     torch.testing.assert_close(packed.linear(x, bias), F.linear(x, weight, bias), atol=1e-4, rtol=1e-5)
 
 
-def test_the_switch_turns_it_off_and_a_cpu_without_amx_never_has_it(monkeypatch):
-    monkeypatch.setenv(cpu_amx_gemm.DISABLE_ENV, "0")
-    assert not cpu_amx_gemm.available()
-    monkeypatch.setenv(cpu_amx_gemm.DISABLE_ENV, "sometimes")
-    with pytest.raises(ValueError, match=cpu_amx_gemm.DISABLE_ENV):
-        cpu_amx_gemm.available()
-    monkeypatch.delenv(cpu_amx_gemm.DISABLE_ENV)
-    monkeypatch.setattr(cpu_amx_gemm, "_ready", None)
-    monkeypatch.setattr(cpu_amx_gemm, "_cpu_has_amx", lambda: False)
-    assert not cpu_amx_gemm.available()
+def _settings(**chosen):
+    return SimpleNamespace(**{**dict.fromkeys(SETTINGS, "auto"), **chosen})
+
+
+def test_the_setting_turns_it_off_and_a_cpu_without_amx_never_has_it(monkeypatch):
+    assert not resolve_cpu_paths(_settings(amx_gemm="off")).amx_gemm
+    assert resolve_cpu_paths(_settings(amx_gemm="auto")).amx_gemm == amx_gemm.available()
+    monkeypatch.setattr(amx_gemm, "_ready", None)
+    monkeypatch.setattr(amx_gemm, "_cpu_has_amx", lambda: False)
+    assert not amx_gemm.available()
+    with pytest.raises(ValueError, match="amx_gemm=on, but this machine cannot take that path: it needs a CPU with AMX"):
+        resolve_cpu_paths(_settings(amx_gemm="on"))
 
 
 @pytest.mark.parametrize("has_amx", [True, False])
-def test_the_layers_choice(monkeypatch, has_amx):
-    monkeypatch.setattr(cpu_amx_gemm, "available", lambda: has_amx)
-    monkeypatch.delenv(cpu_gemm.LAYERS_ENV, raising=False)
-    monkeypatch.delenv(cpu_amx_gemm.DISABLE_ENV, raising=False)
-    onednn = "onednn" if cpu_gemm.available() else "mkl"
+def test_the_layers_choice(has_amx):
+    onednn = "onednn" if gemm.available() else "mkl"
+    paths = replace(auto_paths(), amx_gemm=has_amx, onednn_linear=gemm.available(), onednn_layers=None)
     # With AMX every size takes it; without, small models keep MKL (transformers' own bits).
-    assert cpu_gemm.layer_gemm(256) == ("amx" if has_amx else "mkl")
-    assert cpu_gemm.layer_gemm(cpu_gemm.LAYERS_MIN_HIDDEN) == ("amx" if has_amx else onednn)
-    monkeypatch.setenv(cpu_gemm.LAYERS_ENV, "0")
-    assert cpu_gemm.layer_gemm(4096) == ("amx" if has_amx else "mkl")
-    monkeypatch.setenv(cpu_amx_gemm.DISABLE_ENV, "0")
-    assert cpu_gemm.layer_gemm(4096) == "mkl"
-    monkeypatch.delenv(cpu_gemm.LAYERS_ENV)
-    assert cpu_gemm.layer_gemm(4096) == onednn
-    assert cpu_gemm.layer_gemm(256) == "mkl"
+    assert paths.layer_gemm(256) == ("amx" if has_amx else "mkl")
+    assert paths.layer_gemm(LAYERS_MIN_HIDDEN) == ("amx" if has_amx else onednn)
+    assert replace(paths, onednn_layers=False).layer_gemm(4096) == ("amx" if has_amx else "mkl")
+    assert replace(paths, onednn_layers=False, amx_gemm=False).layer_gemm(4096) == "mkl"
+    assert replace(paths, amx_gemm=False).layer_gemm(4096) == onednn
+    assert replace(paths, amx_gemm=False).layer_gemm(256) == "mkl"
+    assert CpuPaths().layer_gemm(4096) == "mkl"  # plain torch
 
 
 @needs_amx
-def test_a_wide_model_on_amx_keeps_transformers_greedy_path(tmp_path, monkeypatch):
+def test_a_wide_model_on_amx_keeps_transformers_greedy_path(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from tokenmill.engine import Engine, EngineConfig, EngineRequest, SamplingParams
     from tokenmill.tools.tiny_models import build_tiny_model
 
-    monkeypatch.delenv(cpu_gemm.LAYERS_ENV, raising=False)
-    monkeypatch.delenv(cpu_amx_gemm.DISABLE_ENV, raising=False)
     model_dir = build_tiny_model(tmp_path, "qwen2", seed=3, vocab_size=2048, hidden_size=512, intermediate_size=1024,
                                  num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2)
     g = torch.Generator().manual_seed(5)
@@ -154,13 +154,14 @@ def test_a_wide_model_on_amx_keeps_transformers_greedy_path(tmp_path, monkeypatc
     with torch.inference_mode():
         want = [hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long), max_new_tokens=12,
                             do_sample=False, pad_token_id=0, eos_token_id=None)[0, len(p):].tolist() for p in prompts]
-    engine = Engine(EngineConfig(model=str(model_dir), dtype="float32", kv_cache_gb=0.05))
-    layers = engine.runner.model.layers
-    assert all(layer._packed is not None and layer._packed["qkv_weight"].kind == "amx" for layer in layers)
-    res = engine.generate([EngineRequest(request_id=f"w{i}", prompt_token_ids=p,
-                                         sampling=SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
-                           for i, p in enumerate(prompts)])
-    assert [list(res[f"w{i}"].output_token_ids) for i in range(len(prompts))] == want
+    for setting, kind in (("auto", "amx"), ("off", "onednn")):
+        engine = Engine(EngineConfig(model=str(model_dir), dtype="float32", kv_cache_gb=0.05, amx_gemm=setting))
+        layers = engine.runner.model.layers
+        assert all(layer._packed is not None and layer._packed["qkv_weight"].kind == kind for layer in layers)
+        res = engine.generate([EngineRequest(request_id=f"w{i}", prompt_token_ids=p,
+                                             sampling=SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+                               for i, p in enumerate(prompts)])
+        assert [list(res[f"w{i}"].output_token_ids) for i in range(len(prompts))] == want, setting
 
 
 @needs_amx
@@ -171,16 +172,16 @@ def test_silu_mul_folded_into_the_split_is_as_accurate_as_torchs():
     gate_up = torch.randn(70, 2 * 200, generator=g) * 6
     gate_up[0, :8] = torch.tensor([0.0, -0.0, 100.0, -100.0, 88.0, -88.0, 1e-30, -1e-30])  # exp's edges
     weight = torch.randn(96, 200, generator=g) * 0.05
-    split = cpu_amx_gemm.SplitWeight(weight)
+    split = amx_gemm.SplitWeight(weight)
     got = split.linear_silu_mul(gate_up)
     assert got.shape == (70, 96) and bool(got.isfinite().all())
     h64 = gate_up[:, :200].double() / (1 + torch.exp(-gate_up[:, :200].double())) * gate_up[:, 200:].double()
     want = h64 @ weight.double().T
     scale = h64.abs() @ weight.double().abs().T
-    assert ((got.double() - want).abs() / scale).max().item() < cpu_amx_gemm.SELF_CHECK_BOUND
+    assert ((got.double() - want).abs() / scale).max().item() < amx_gemm.SELF_CHECK_BOUND
     # Through an identity weight the output is the folded input itself: within a few ulp of torch's
     # layer (its exp is another float32 implementation), and as close to float64 as torch's.
-    eye = cpu_amx_gemm.SplitWeight(torch.eye(200))
+    eye = amx_gemm.SplitWeight(torch.eye(200))
     folded, torch_layer = eye.linear_silu_mul(gate_up), silu_and_mul(gate_up)
     torch.testing.assert_close(folded, torch_layer, rtol=5e-7, atol=1e-30)
     err = ((folded.double() - h64).abs() / h64.abs().clamp_min(1e-30)).max().item()
@@ -195,7 +196,7 @@ def test_a_long_call_at_many_threads_stays_within_its_workspace():
     thread's run starts inside a row block and touches one more than an even share, and its slots
     must hold them all (a workspace sized for the even share would be written past)."""
     x, weight, bias = _case(300, 576, 1000, seed=4)
-    split = cpu_amx_gemm.SplitWeight(weight)
+    split = amx_gemm.SplitWeight(weight)
     want = split.linear(x, bias)
     got = {}
 

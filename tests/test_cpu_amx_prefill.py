@@ -1,4 +1,4 @@
-"""Prefill attention on AMX tiles (worker/engine/attention/cpu_amx_prefill.py): as close to float64 as
+"""Prefill attention on AMX tiles (kernels/cpu/amx_prefill_attention.py): as close to float64 as
 torch's SDPA or closer, for fresh prompts and chunks after context, blocks out of order, GQA; and the
 torch backend hands it the long prefill rows of a mixed step. Needs a CPU with AMX."""
 
@@ -6,10 +6,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tokenmill.engine.attention import AttentionMetadata, cpu_amx_prefill
+from tokenmill.engine.attention import AttentionMetadata
 from tokenmill.engine.attention.torch_backend import TorchAttentionBackend, build_plan
+from tokenmill.kernels.cpu import amx_prefill_attention
+from tokenmill.kernels.cpu.paths import CpuPaths
 
-needs_amx = pytest.mark.skipif(not cpu_amx_prefill.available(), reason="this CPU has no AMX tiles (bf16)")
+needs_amx = pytest.mark.skipif(not amx_prefill_attention.available(), reason="this CPU has no AMX tiles (bf16)")
 
 
 def _cache(n_blocks, block_size, kv_heads, d, seed):
@@ -38,11 +40,11 @@ def test_as_close_to_float64_as_sdpa(context, tokens, heads, kv_heads, d):
     table = torch.randperm(3 * n_blocks, generator=g)[:n_blocks].to(torch.int32)
     query = torch.randn(tokens + 7, heads, d, generator=g) * 2
     out = torch.full((tokens + 7, heads, d), 9.0)
-    cpu_amx_prefill.prefill_attention(query, key_cache, value_cache, table, 7, tokens, context, out, d**-0.5)
+    amx_prefill_attention.prefill_attention(query, key_cache, value_cache, table, 7, tokens, context, out, d**-0.5)
     assert bool((out[:7] == 9.0).all())  # other tokens' rows untouched
     slots = (table.long()[:, None] * block_size + torch.arange(block_size)).reshape(-1)[:length]
     keys, values = key_cache.view(-1, kv_heads, d)[slots], value_cache.view(-1, kv_heads, d)[slots]
-    want = cpu_amx_prefill.reference(query[7:], keys, values, context, d**-0.5)
+    want = amx_prefill_attention.reference(query[7:], keys, values, context, d**-0.5)
     err = (out[7:].double() - want).abs().max().item()
     sdpa_err = (_sdpa(query[7:], keys, values, context, d**-0.5).double() - want).abs().max().item()
     assert err <= max(1.5 * sdpa_err, 1e-6)
@@ -75,11 +77,11 @@ def test_many_rows_in_one_call_give_each_row_the_bits_of_its_own_call(threads):
     torch.set_num_threads(threads)
     try:
         out = torch.full((start, heads, d), 9.0)
-        cpu_amx_prefill.prefill_attention_rows(query, key_cache, value_cache, tables, cpu_amx_prefill.prefill_rows(rows),
+        amx_prefill_attention.prefill_attention_rows(query, key_cache, value_cache, tables, amx_prefill_attention.prefill_rows(rows),
                                                out, d**-0.5)
         one_by_one = torch.full((start, heads, d), 9.0)
         for first, table_row, tokens, context in rows:
-            cpu_amx_prefill.prefill_attention(query, key_cache, value_cache, tables[table_row].contiguous(), first,
+            amx_prefill_attention.prefill_attention(query, key_cache, value_cache, tables[table_row].contiguous(), first,
                                               tokens, context, one_by_one, d**-0.5)
     finally:
         torch.set_num_threads(before)
@@ -89,7 +91,7 @@ def test_many_rows_in_one_call_give_each_row_the_bits_of_its_own_call(threads):
         written[first:first + tokens] = True
         slots = (tables[table_row, :-(-(tokens + context) // block_size)].long()[:, None] * block_size
                  + torch.arange(block_size)).reshape(-1)[:tokens + context]
-        want = cpu_amx_prefill.reference(query[first:first + tokens], key_cache.view(-1, kv_heads, d)[slots],
+        want = amx_prefill_attention.reference(query[first:first + tokens], key_cache.view(-1, kv_heads, d)[slots],
                                          value_cache.view(-1, kv_heads, d)[slots], context, d**-0.5)
         torch.testing.assert_close(out[first:first + tokens].double(), want, atol=2e-6, rtol=1e-5)
     assert bool((out[~written] == 9.0).all())  # the gaps between the rows untouched
@@ -100,10 +102,10 @@ def test_the_rows_table_is_checked():
     cache = torch.zeros(4, 16, 1, 32)
     tables = torch.zeros(1, 4, dtype=torch.int32)
     with pytest.raises(ValueError, match="int64"):
-        cpu_amx_prefill.prefill_attention_rows(query, cache, cache, tables, torch.zeros(1, 4, dtype=torch.int32),
+        amx_prefill_attention.prefill_attention_rows(query, cache, cache, tables, torch.zeros(1, 4, dtype=torch.int32),
                                                torch.zeros_like(query), 1.0)
     with pytest.raises(ValueError, match="int32"):
-        cpu_amx_prefill.prefill_attention_rows(query, cache, cache, tables.long(), cpu_amx_prefill.prefill_rows([(0, 0, 4, 0)]),
+        amx_prefill_attention.prefill_attention_rows(query, cache, cache, tables.long(), amx_prefill_attention.prefill_rows([(0, 0, 4, 0)]),
                                                torch.zeros_like(query), 1.0)
 
 
@@ -129,12 +131,14 @@ def test_the_backend_sends_long_prefill_rows_to_it_and_keeps_the_rest():
     got = backend.attend(query, key_cache, value_cache, meta, d**-0.5)
     for row, (start, q_len, seq_len) in enumerate(zip(starts, q_lens, seq_lens, strict=False)):
         slots = (tables[row].long()[:, None] * block_size + torch.arange(block_size)).reshape(-1)[:seq_len]
-        want = cpu_amx_prefill.reference(query[start:start + q_len], key_cache.view(-1, kv_heads, d)[slots],
+        want = amx_prefill_attention.reference(query[start:start + q_len], key_cache.view(-1, kv_heads, d)[slots],
                                          value_cache.view(-1, kv_heads, d)[slots], seq_len - q_len, d**-0.5)
         torch.testing.assert_close(got[start:start + q_len].double(), want, atol=2e-6, rtol=1e-5)
 
 
 def test_small_head_sizes_and_a_cpu_without_amx_keep_the_other_kernels(monkeypatch):
-    assert not cpu_amx_prefill.applies(48)
-    monkeypatch.setattr(cpu_amx_prefill.cpu_amx_gemm, "available", lambda: False)
-    assert not cpu_amx_prefill.applies(64)
+    assert not amx_prefill_attention.applies(48)
+    monkeypatch.setattr(amx_prefill_attention.amx_gemm, "available", lambda: False)
+    assert not amx_prefill_attention.applies(64)
+    # The engine's paths without the AMX GEMM (amx_gemm off) hand the backend no AMX prefill.
+    assert not TorchAttentionBackend(CpuPaths(decode_attention=True)).use_amx_prefill

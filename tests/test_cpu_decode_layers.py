@@ -1,23 +1,17 @@
-"""A pure decode step's layers in one C call (worker/engine/cpu_decode_layers.py): the Python layers'
-bits, only where it applies, off by its switch."""
+"""A pure decode step's layers in one C call (kernels/cpu/decode_layers.py): the Python layers' bits,
+only where it applies, off by its setting."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tokenmill.engine import (
-    Engine,
-    EngineConfig,
-    EngineRequest,
-    SamplingParams,
-    cpu_amx_gemm,
-    cpu_decode_layers,
-)
-from tokenmill.engine.cpu_decode_layers import DecodeLayers
+from tokenmill.engine import Engine, EngineConfig, EngineRequest, SamplingParams
 from tokenmill.engine.models.decoder import DecoderForCausalLM
+from tokenmill.kernels.cpu import amx_gemm
+from tokenmill.kernels.cpu.decode_layers import DecodeLayers
 
-needs_amx = pytest.mark.skipif(not cpu_amx_gemm.available(), reason="this CPU has no AMX tiles (bf16)")
+needs_amx = pytest.mark.skipif(not amx_gemm.available(), reason="this CPU has no AMX tiles (bf16)")
 
 
 def _requests(vocab: int, n: int = 6, max_tokens: int = 6) -> list[EngineRequest]:
@@ -32,7 +26,6 @@ def _requests(vocab: int, n: int = 6, max_tokens: int = 6) -> list[EngineRequest
 def test_each_decode_step_gives_the_python_layers_bits(tiny_llama_dir, tiny_qwen2_dir, threads, monkeypatch):
     """Every pure decode step of a Llama and a Qwen2 (q/k/v biases) model is run both ways: the same
     final hidden states and the same K/V written, bit for bit; prefill steps never take the driver."""
-    monkeypatch.delenv(cpu_decode_layers.DISABLE_ENV, raising=False)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     compared, driven = [], []
@@ -72,11 +65,10 @@ def test_each_decode_step_gives_the_python_layers_bits(tiny_llama_dir, tiny_qwen
 
 
 @needs_amx
-def test_greedy_sequences_are_the_same_with_the_switch_off(tiny_llama_dir, monkeypatch):
-    monkeypatch.delenv(cpu_decode_layers.DISABLE_ENV, raising=False)
+def test_greedy_sequences_are_the_same_with_the_setting_off(tiny_llama_dir):
     on = Engine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", kv_cache_gb=0.02))
-    monkeypatch.setenv(cpu_decode_layers.DISABLE_ENV, "0")
-    off = Engine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", kv_cache_gb=0.02))
+    off = Engine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", kv_cache_gb=0.02, decode_layers_in_c="off"))
+    assert on.cpu_paths.decode_layers_in_c and not off.cpu_paths.decode_layers_in_c
     assert on.runner.model._decode_layers is not None and off.runner.model._decode_layers is None
     requests = _requests(on.model_config.vocab_size, n=8, max_tokens=12)
     got_on, got_off = on.generate(requests), off.generate(requests)
@@ -85,18 +77,21 @@ def test_greedy_sequences_are_the_same_with_the_switch_off(tiny_llama_dir, monke
 
 
 @needs_amx
-def test_qk_norms_keep_the_python_layers(tiny_qwen3_dir, monkeypatch):
+def test_qk_norms_keep_the_python_layers(tiny_qwen3_dir):
     """Qwen3 normalises q and k per head before the rotary: no fused pass for it, so no driver."""
-    monkeypatch.delenv(cpu_decode_layers.DISABLE_ENV, raising=False)
     engine = Engine(EngineConfig(model=str(tiny_qwen3_dir), dtype="float32", kv_cache_gb=0.02))
     assert engine.runner.model._decode_layers is None
 
 
-def test_layers_off_the_amx_kernel_get_no_driver(tiny_llama_dir, monkeypatch):
-    """Without the AMX projections (switched off here; a CPU without AMX tiles alike) there is no
-    driver, and decode steps run the Python layers."""
-    monkeypatch.setenv(cpu_amx_gemm.DISABLE_ENV, "0")
-    engine = Engine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", kv_cache_gb=0.02))
-    assert engine.runner.model._decode_layers is None
+def test_layers_off_the_amx_kernel_get_no_driver(tiny_llama_dir):
+    """Without the AMX projections (turned off here; a CPU without AMX tiles alike) there is no
+    driver, and decode steps run the Python layers; asked for all the same, the engine refuses to
+    start and says what the path needs."""
+    with pytest.raises(ValueError, match="decode_layers_in_c=on, but this machine cannot take that path: it needs "
+                                         "amx_gemm, cpu_elementwise and cpu_attention_kernel all taken"):
+        Engine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", kv_cache_gb=0.02, amx_gemm="off",
+                            decode_layers_in_c="on"))
+    engine = Engine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", kv_cache_gb=0.02, amx_gemm="off"))
+    assert not engine.cpu_paths.decode_layers_in_c and engine.runner.model._decode_layers is None
     res = engine.generate(_requests(engine.model_config.vocab_size, n=2))
     assert all(len(r.output_token_ids) == 6 for r in res.values())

@@ -5,10 +5,10 @@ pass, at any row count and thread count."""
 import pytest
 import torch
 
-from tokenmill.engine import cpu_elementwise
 from tokenmill.engine.layers import apply_rotary, rms_norm
+from tokenmill.kernels.cpu import elementwise
 
-pytestmark = pytest.mark.skipif(cpu_elementwise._lib() is None, reason="no C compiler")
+pytestmark = pytest.mark.skipif(not elementwise.available(), reason="no C compiler")
 
 
 def _threads(n):
@@ -28,10 +28,10 @@ def test_add_rms_norm_is_torchs_bit_for_bit(hidden, threads):
             x = wide[:, 8:]  # a row-strided view, as the layers' outputs can be
             res = torch.randn(rows, hidden, generator=gen)
             weight = torch.randn(hidden, generator=gen)
-            normed, summed = cpu_elementwise.add_rms_norm(x, res, weight, 1e-5)
+            normed, summed = elementwise.add_rms_norm(x, res, weight, 1e-5)
             assert torch.equal(summed, x + res)
             assert torch.equal(normed, rms_norm(x + res, weight, 1e-5)), rows
-            alone, same = cpu_elementwise.add_rms_norm(x, None, weight, 1e-6)
+            alone, same = elementwise.add_rms_norm(x, None, weight, 1e-6)
             assert same is x and torch.equal(alone, rms_norm(x, weight, 1e-6))
     finally:
         torch.set_num_threads(before)
@@ -40,16 +40,16 @@ def test_add_rms_norm_is_torchs_bit_for_bit(hidden, threads):
 def test_the_sum_order_is_found_not_assumed():
     """The other lane count gives other bits on the probe's rows: the check at first use is what
     keeps a build whose vector width differs on the torch ops."""
-    lib = cpu_elementwise._lib()
-    lanes = cpu_elementwise._lanes(lib, 576)
+    lib = elementwise.library()
+    lanes = elementwise._lanes(lib, 576)
     assert lanes in (8, 16)
     gen = torch.Generator().manual_seed(9)
     x = torch.randn(256, 576, generator=gen) * torch.logspace(-3, 3, 256).unsqueeze(1)
     weight = torch.randn(576, generator=gen)
     want = rms_norm(x, weight, 1e-6)
-    assert torch.equal(cpu_elementwise._call_norm(lib, x, None, weight, 1e-6, lanes)[0], want)
+    assert torch.equal(elementwise._call_norm(lib, x, None, weight, 1e-6, lanes)[0], want)
     other = 8 if lanes == 16 else 16
-    assert not torch.equal(cpu_elementwise._call_norm(lib, x, None, weight, 1e-6, other)[0], want)
+    assert not torch.equal(elementwise._call_norm(lib, x, None, weight, 1e-6, other)[0], want)
 
 
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 2, 64), (9, 3, 64), (16, 8, 128), (2, 2, 6)])
@@ -64,7 +64,7 @@ def test_rotary_is_torchs_bit_for_bit_on_the_fused_qkv_views(heads, kv_heads, he
             q, k = qk[:, :heads], qk[:, heads:]
             cos = torch.randn(rows, 1, head_dim // 2, generator=gen)
             sin = torch.randn(rows, 1, head_dim // 2, generator=gen)
-            got_q, got_k = cpu_elementwise.rotary_qk(q, k, cos, sin)
+            got_q, got_k = elementwise.rotary_qk(q, k, cos, sin)
             assert got_q.is_contiguous() and got_k.is_contiguous()
             assert torch.equal(got_q, apply_rotary(q, cos, sin)) and torch.equal(got_k, apply_rotary(k, cos, sin))
     finally:
@@ -88,7 +88,7 @@ def test_kv_write_puts_each_row_in_its_slot_as_index_copy_does(kv_heads, head_di
             slots = torch.randperm(64 * 16, generator=gen)[:rows]
             want_k.view(-1, kv_heads, head_dim).index_copy_(0, slots, k)
             want_v.view(-1, kv_heads, head_dim).index_copy_(0, slots, v)
-            assert cpu_elementwise.write_kv(k, v, key_cache, value_cache, slots)
+            assert elementwise.write_kv(k, v, key_cache, value_cache, slots)
             assert torch.equal(key_cache, want_k) and torch.equal(value_cache, want_v), rows
     finally:
         torch.set_num_threads(before)
@@ -113,9 +113,9 @@ def test_rotary_and_kv_write_in_one_pass_are_the_two_calls_bit_for_bit(heads, kv
             key_cache, value_cache = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
             want_k, want_v = key_cache.clone(), value_cache.clone()
             slots = torch.randperm(64 * 16, generator=gen)[:rows]
-            want_q, rotated_k = cpu_elementwise.rotary_qk(qk[:, :heads], qk[:, heads:], cos, sin)
-            assert cpu_elementwise.write_kv(rotated_k, v, want_k, want_v, slots)
-            got_q = cpu_elementwise.rotary_write_kv(qkv, heads, kv_heads, cos, sin, key_cache, value_cache, slots)
+            want_q, rotated_k = elementwise.rotary_qk(qk[:, :heads], qk[:, heads:], cos, sin)
+            assert elementwise.write_kv(rotated_k, v, want_k, want_v, slots)
+            got_q = elementwise.rotary_write_kv(qkv, heads, kv_heads, cos, sin, key_cache, value_cache, slots)
             assert got_q is not None and got_q.is_contiguous() and got_q.shape == (rows, heads, head_dim)
             assert torch.equal(got_q, want_q), rows
             assert torch.equal(key_cache, want_k) and torch.equal(value_cache, want_v), rows
@@ -123,12 +123,12 @@ def test_rotary_and_kv_write_in_one_pass_are_the_two_calls_bit_for_bit(heads, kv
         torch.set_num_threads(before)
 
 
-def test_the_fused_pass_refuses_what_it_cannot_take_and_writes_nothing(monkeypatch):
+def test_the_fused_pass_refuses_what_it_cannot_take_and_writes_nothing():
     qkv, cos = torch.randn(4, 4 * 8), torch.randn(4, 1, 4)
     cache, slots = torch.zeros(2, 4, 1, 8), torch.arange(4)
 
     def fused(qkv=qkv, heads=2, kv_heads=1, cos=cos, cache=cache, slots=slots):
-        return cpu_elementwise.rotary_write_kv(qkv, heads, kv_heads, cos, cos, cache, cache, slots)
+        return elementwise.rotary_write_kv(qkv, heads, kv_heads, cos, cos, cache, cache, slots)
 
     assert fused() is not None and cache.any()  # it applies to these shapes
     cache.zero_()
@@ -141,24 +141,35 @@ def test_the_fused_pass_refuses_what_it_cannot_take_and_writes_nothing(monkeypat
     assert fused(slots=slots[:3]) is None
     assert fused(cos=cos[:, :, :2]) is None
     assert not cache.any()  # nothing written by a refusal
-    monkeypatch.setenv(cpu_elementwise.DISABLE_ENV, "0")
-    assert fused() is None and not cache.any()
+
+
+def _counting(monkeypatch, name):
+    """Calls of the kernel wrapper `name` that the C pass took (it returned a result)."""
+    calls = []
+    kernel = getattr(elementwise, name)
+
+    def counted(*args, **kwargs):
+        out = kernel(*args, **kwargs)
+        calls.append(out is not None and out is not False)
+        return out
+
+    monkeypatch.setattr(elementwise, name, counted)
+    return calls
 
 
 def test_llama_outputs_are_the_same_with_the_fused_pass_off(tiny_llama_dir, monkeypatch):
     """Llama (no q/k norm) takes the fused rotary + K/V write in every layer: prefill rows, decode rows
-    and the last layer's output rows give the same tokens and logprobs as the torch ops."""
+    and the last layer's output rows give the same tokens and logprobs as the torch ops, which the
+    engine's cpu_elementwise=off takes instead."""
     from tokenmill.engine import Engine, EngineConfig, EngineRequest, SamplingParams
-    from tokenmill.engine.models import ops
 
-    calls = []
-    fused = ops.TorchOps.rotary_write_kv
-    monkeypatch.setattr(ops.TorchOps, "rotary_write_kv", lambda self, *a: calls.append(1) or fused(self, *a))
+    fused, norms = _counting(monkeypatch, "rotary_write_kv"), _counting(monkeypatch, "add_rms_norm")
     gen = torch.Generator().manual_seed(12)
     prompts = [torch.randint(3, 2000, (n,), generator=gen).tolist() for n in (1, 17, 40, 90)]
 
-    def run():
-        engine = Engine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", kv_cache_gb=0.02))
+    def run(setting):
+        engine = Engine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", kv_cache_gb=0.02,
+                                     cpu_elementwise=setting))
         res = engine.generate([EngineRequest(request_id=f"e{i}", prompt_token_ids=p,
                                              sampling=SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True,
                                                                      logprobs=3))
@@ -166,41 +177,40 @@ def test_llama_outputs_are_the_same_with_the_fused_pass_off(tiny_llama_dir, monk
         return [(list(res[f"e{i}"].output_token_ids), [lp.logprob for lp in res[f"e{i}"].output_logprobs])
                 for i in range(len(prompts))]
 
-    on = run()
-    assert calls  # the fused pass ran
-    monkeypatch.setenv(cpu_elementwise.DISABLE_ENV, "0")
-    assert run() == on
+    on = run("auto")
+    assert fused and all(fused) and any(norms)  # the C passes ran (a norm of no rows is left to torch)
+    fused.clear(), norms.clear()
+    assert run("off") == on
+    assert not fused and not norms  # the torch ops ran instead: the C passes were never asked
 
 
-def test_what_the_kernels_do_not_take_is_left_to_torch(monkeypatch):
+def test_what_the_kernels_do_not_take_is_left_to_torch():
     x, weight = torch.randn(4, 64), torch.randn(64)
-    assert cpu_elementwise.add_rms_norm(x.bfloat16(), None, weight.bfloat16(), 1e-5) is None
-    assert cpu_elementwise.add_rms_norm(x.t().contiguous().t(), None, weight, 1e-5) is None  # columns strided
-    assert cpu_elementwise.add_rms_norm(x, torch.randn(4, 32), weight, 1e-5) is None
+    assert elementwise.add_rms_norm(x.bfloat16(), None, weight.bfloat16(), 1e-5) is None
+    assert elementwise.add_rms_norm(x.t().contiguous().t(), None, weight, 1e-5) is None  # columns strided
+    assert elementwise.add_rms_norm(x, torch.randn(4, 32), weight, 1e-5) is None
     q, cos = torch.randn(4, 2, 8), torch.randn(4, 1, 4)
-    assert cpu_elementwise.rotary_qk(q, q.transpose(1, 2).contiguous().transpose(1, 2), cos, cos) is None
-    assert cpu_elementwise.rotary_qk(q, q, cos[:, :, :2], cos[:, :, :2]) is None
+    assert elementwise.rotary_qk(q, q.transpose(1, 2).contiguous().transpose(1, 2), cos, cos) is None
+    assert elementwise.rotary_qk(q, q, cos[:, :, :2], cos[:, :, :2]) is None
     kv, cache, slots = torch.randn(4, 2, 8), torch.zeros(2, 4, 2, 8), torch.arange(4)
-    assert not cpu_elementwise.write_kv(kv, kv, cache, cache, slots.int())  # int32 slots
-    assert not cpu_elementwise.write_kv(kv, kv, cache.transpose(0, 1), cache, slots)  # a strided cache
-    assert not cpu_elementwise.write_kv(kv.transpose(1, 2).contiguous().transpose(1, 2), kv, cache, cache, slots)
-    assert not cpu_elementwise.write_kv(kv.double(), kv.double(), cache.double(), cache.double(), slots)
+    assert not elementwise.write_kv(kv, kv, cache, cache, slots.int())  # int32 slots
+    assert not elementwise.write_kv(kv, kv, cache.transpose(0, 1), cache, slots)  # a strided cache
+    assert not elementwise.write_kv(kv.transpose(1, 2).contiguous().transpose(1, 2), kv, cache, cache, slots)
+    assert not elementwise.write_kv(kv.double(), kv.double(), cache.double(), cache.double(), slots)
     assert not cache.any()  # nothing written by a refusal
-    monkeypatch.setenv(cpu_elementwise.DISABLE_ENV, "0")
-    assert cpu_elementwise.add_rms_norm(x, None, weight, 1e-5) is None
-    assert cpu_elementwise.rotary_qk(q, q, cos, cos) is None
-    assert not cpu_elementwise.write_kv(kv, kv, cache, cache, slots)
 
 
 def test_engine_outputs_are_the_same_with_the_kernels_off(tiny_qwen3_dir, monkeypatch):
     """Qwen3 also normalises q and k per head before the rotary: the whole layer path end to end."""
     from tokenmill.engine import Engine, EngineConfig, EngineRequest, SamplingParams
 
+    rotary = _counting(monkeypatch, "rotary_qk")
     gen = torch.Generator().manual_seed(11)
     prompts = [torch.randint(3, 2000, (n,), generator=gen).tolist() for n in (1, 17, 40, 90)]
 
-    def run():
-        engine = Engine(EngineConfig(model=str(tiny_qwen3_dir), dtype="float32", kv_cache_gb=0.02))
+    def run(setting):
+        engine = Engine(EngineConfig(model=str(tiny_qwen3_dir), dtype="float32", kv_cache_gb=0.02,
+                                     cpu_elementwise=setting))
         res = engine.generate([EngineRequest(request_id=f"e{i}", prompt_token_ids=p,
                                              sampling=SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True,
                                                                      logprobs=3))
@@ -208,6 +218,7 @@ def test_engine_outputs_are_the_same_with_the_kernels_off(tiny_qwen3_dir, monkey
         return [(list(res[f"e{i}"].output_token_ids), [lp.logprob for lp in res[f"e{i}"].output_logprobs])
                 for i in range(len(prompts))]
 
-    on = run()
-    monkeypatch.setenv(cpu_elementwise.DISABLE_ENV, "0")
-    assert run() == on
+    on = run("auto")
+    assert any(rotary)
+    rotary.clear()
+    assert run("off") == on and not rotary

@@ -1,4 +1,4 @@
-"""A CPU step's model body cut into parts run side by side (worker/engine/cpu_step_parts.py)."""
+"""A CPU step's model body cut into parts run side by side (worker/engine/cpu/step_parts.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tokenmill.engine import Engine, EngineConfig, EngineRequest, SamplingParams
-from tokenmill.engine.cpu_step_parts import SLACK, StepPartPool, default_parts, plan_parts
+from tokenmill.engine.cpu.step_parts import SLACK, StepPartPool, default_parts, plan_parts
 
 
 def _work(n, seq_lens, weight):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenmill.engine.cpu_threads import cgroup_cpu_quota, resolve_cpu_threads
+from tokenmill.engine.cpu.threads import cgroup_cpu_quota, resolve_cpu_threads
 
 
 def _v2(tmp_path, text):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 
 import pytest
 
@@ -120,3 +121,36 @@ def test_the_config_module_does_not_load_torch():
 
     code = "import sys, tokenmill.engine.config, tokenmill.config; assert 'torch' not in sys.modules, 'torch loaded'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_cpu_path_settings_read_their_old_variable_names(monkeypatch):
+    """The settings that were environment switches keep their variables' names (now read by the CLI,
+    as every setting's): a value of the old spelling is refused, not taken for the default."""
+    monkeypatch.setenv("TOKENMILL_AMX_GEMM", "off")
+    monkeypatch.setenv("TOKENMILL_DECODE_LAYERS_IN_C", "on")
+    monkeypatch.setenv("TOKENMILL_HUGE_PAGES", "0")
+    parser = argparse.ArgumentParser()
+    add_engine_options(parser, model_required=False)
+    _apply_env_defaults(parser)
+    got = engine_kwargs(parser.parse_args([]))
+    assert (got["amx_gemm"], got["decode_layers_in_c"], got["malloc_tuning"]) == ("off", "on", "auto")
+    with pytest.raises(ValueError, match="huge_pages must be one of auto, on, off, got '0'"):
+        EngineConfig(model="m", **got)
+
+
+def test_no_tokenmill_variable_is_read_outside_the_settings():
+    """Every engine setting is an EngineConfig field, its TOKENMILL_* variable read by the CLI from the
+    flag's name; the package names a variable itself only for the cache folder and the broker script."""
+    import ast
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    allowed = {"TOKENMILL_CACHE", "TOKENMILL_KAFKA_SCRIPT"}
+    named = {}
+    for folder in ("worker", "kernels", "schemas", "tools"):
+        for path in (repo / folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, ast.Constant) and isinstance(node.value, str) \
+                        and re.fullmatch(r"TOKENMILL_[A-Z0-9_]+", node.value):
+                    named.setdefault(node.value, []).append(f"{path.relative_to(repo)}:{node.lineno}")
+    assert set(named) <= allowed, {k: v for k, v in named.items() if k not in allowed}

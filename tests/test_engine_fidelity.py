@@ -2,8 +2,8 @@
 
 For each architecture, one engine run of 32 prompts of mixed length (crossing block boundaries) is
 compared with Hugging Face `generate(do_sample=False)` run per prompt, and again with preemption
-forced by a tiny KV budget, with chunked prefill forced by a tiny token budget, and on a second pass
-served from the prefix cache.
+forced by a tiny KV budget, with chunked prefill forced by a tiny token budget, on a second pass
+served from the prefix cache, and with every CPU path setting off.
 """
 
 import random
@@ -14,6 +14,8 @@ import torch
 from tokenmill.engine import Engine, EngineConfig
 from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.engine.types import EngineRequest, FinishReason, SamplingParams
+from tokenmill.kernels.cpu.paths import SETTINGS as CPU_PATH_SETTINGS
+from tokenmill.kernels.cpu.paths import CpuPaths
 from tokenmill.tools.tiny_models import cached_tiny_model
 
 NUM_PROMPTS = 32
@@ -144,6 +146,16 @@ def test_greedy_matches_transformers_with_chunked_prefill(case):
             steps_with_partial_prefill += 1
     assert steps_with_partial_prefill > 0
     assert outputs(results) == case["ref"]
+
+
+def test_greedy_matches_transformers_with_every_cpu_path_off(case):
+    """The settings' other way: no C kernel, no oneDNN or AMX GEMM, no greedy screen, no huge pages or
+    malloc tuning (the default runs above take every path that runs here)."""
+    off = {name: "off" for name in (*CPU_PATH_SETTINGS, "huge_pages", "malloc_tuning")}
+    engine = Engine(EngineConfig(model=str(case["dir"]), dtype="float32",
+                                 kv_cache_gb=kv_gb_for_blocks(case["dir"], 400), **off))
+    assert engine.cpu_paths == CpuPaths(onednn_layers=False)
+    assert outputs(engine.generate(requests(case))) == case["ref"]
 
 
 @pytest.mark.parametrize("arch", ["qwen2"])

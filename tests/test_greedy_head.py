@@ -5,15 +5,16 @@ unchanged with it, and rows that need logits still get them."""
 import pytest
 import torch
 
-from tokenmill.engine import Engine, EngineConfig, cpu_gemm, greedy_head
+from tokenmill.engine import Engine, EngineConfig
 from tokenmill.engine.attention.torch_backend import TorchAttentionBackend
 from tokenmill.engine.loader import load_model
 from tokenmill.engine.model_runner import GreedyIds, ModelRunner
 from tokenmill.engine.sampler import greedy_argmax
 from tokenmill.engine.types import EngineRequest, SamplingParams
+from tokenmill.kernels.cpu import gemm, greedy_screen
 
 pytestmark = pytest.mark.skipif(
-    not greedy_head.bf16_gemm_supported(), reason="this CPU has no bfloat16 GEMM in oneDNN (the screen is off)"
+    not greedy_screen.bf16_gemm_supported(), reason="this CPU has no bfloat16 GEMM in oneDNN (the screen is off)"
 )
 
 
@@ -23,14 +24,14 @@ def _head(vocab, hidden, seed=0, scale=0.02):
 
 
 def _full_argmax(hidden, weight, packed):
-    return greedy_argmax(cpu_gemm.linear(hidden, weight, None, packed))
+    return greedy_argmax(gemm.linear(hidden, weight, None, packed))
 
 
 @pytest.mark.parametrize("hidden_size", [64, 256, 576])
 def test_the_token_is_the_full_heads_argmax_at_every_row_count(hidden_size):
     weight = _head(4096, hidden_size)
-    packed = cpu_gemm.pack(weight)
-    screen = greedy_head.GreedyScreen.build(weight, packed)
+    packed = gemm.pack(weight)
+    screen = greedy_screen.GreedyScreen.build(weight, packed)
     assert screen is not None
     x = torch.randn(300, hidden_size, generator=torch.Generator().manual_seed(1))
     want = _full_argmax(x, weight, packed)
@@ -45,25 +46,25 @@ def test_the_screen_meets_every_row_count_at_load_not_in_the_first_batch(monkeyp
     """Building the screen runs its bfloat16 GEMM once at each row count a step can give it, so
     oneDNN's first-use work for each count is done at load; a later call at any count is one of them."""
     seen = []
-    real = cpu_gemm.linear
-    monkeypatch.setattr(cpu_gemm, "linear", lambda x, *a: seen.append((x.shape[0], x.dtype)) or real(x, *a))
+    real = gemm.linear
+    monkeypatch.setattr(gemm, "linear", lambda x, *a: seen.append((x.shape[0], x.dtype)) or real(x, *a))
     weight = _head(1024, 64)
-    packed = cpu_gemm.pack(weight)
+    packed = gemm.pack(weight)
     seen.clear()
-    screen = greedy_head.GreedyScreen.build(weight, packed)
+    screen = greedy_screen.GreedyScreen.build(weight, packed)
     assert screen is not None
-    counts = cpu_gemm.row_counts()
+    counts = gemm.row_counts()
     assert {rows for rows, dtype in seen if dtype == torch.bfloat16} == set(counts)
-    assert len(counts) == 32 and counts[0] == cpu_gemm.MAX_ROWS
-    assert {cpu_gemm._padded_rows(rows) for rows in range(1, cpu_gemm.MAX_ROWS + 1)} == set(counts)
+    assert len(counts) == 32 and counts[0] == gemm.MAX_ROWS
+    assert {gemm._padded_rows(rows) for rows in range(1, gemm.MAX_ROWS + 1)} == set(counts)
 
 
 def test_candidate_logits_are_the_full_heads_bits():
     weight = _head(2048, 576, seed=3)
-    packed = cpu_gemm.pack(weight)
-    screen = greedy_head.GreedyScreen.build(weight, packed)
+    packed = gemm.pack(weight)
+    screen = greedy_screen.GreedyScreen.build(weight, packed)
     x = torch.randn(4, 576, generator=torch.Generator().manual_seed(4))
-    full = cpu_gemm.linear(x, weight, None, packed)
+    full = gemm.linear(x, weight, None, packed)
     rows = torch.arange(4).repeat_interleave(2048)
     cols = torch.arange(2048).repeat(4)
     got = torch.empty(rows.numel())
@@ -86,8 +87,8 @@ def test_near_ties_and_exact_ties_resolve_as_the_full_head():
         nudged = base.clone()
         nudged[r % hidden_size] = torch.nextafter(nudged[r % hidden_size], torch.tensor(1.0))
         weight[2 * r + 1] = nudged if r % 2 else base  # odd rows: a near tie; even rows: an exact tie
-    packed = cpu_gemm.pack(weight)
-    screen = greedy_head.GreedyScreen.build(weight, packed)
+    packed = gemm.pack(weight)
+    screen = greedy_screen.GreedyScreen.build(weight, packed)
     want = _full_argmax(x, weight, packed)
     got = screen.greedy_ids(x)
     assert torch.equal(got, want)
@@ -102,11 +103,11 @@ def test_the_bound_holds_on_the_screen(spread):
     weight = _head(8192, 576, seed=7, scale=0.05)
     if spread:
         weight *= torch.linspace(0.2, 4.0, 8192).unsqueeze(1)
-    packed = cpu_gemm.pack(weight)
-    screen = greedy_head.GreedyScreen.build(weight, packed)
+    packed = gemm.pack(weight)
+    screen = greedy_screen.GreedyScreen.build(weight, packed)
     x = torch.randn(32, 576, generator=torch.Generator().manual_seed(8)) * 3
-    approx = cpu_gemm.linear(x.to(torch.bfloat16), weight, None, screen.packed)
-    exact = cpu_gemm.linear(x, weight, None, packed)
+    approx = gemm.linear(x.to(torch.bfloat16), weight, None, screen.packed)
+    exact = gemm.linear(x, weight, None, packed)
     eps = screen.bound(x, approx)
     err = (approx.double() - exact.double()).abs()
     assert bool((err <= eps).all())
@@ -116,8 +117,8 @@ def test_the_bound_holds_on_the_screen(spread):
 
 def test_rows_that_are_not_finite_go_to_the_full_head():
     weight = _head(512, 64)
-    packed = cpu_gemm.pack(weight)
-    screen = greedy_head.GreedyScreen.build(weight, packed)
+    packed = gemm.pack(weight)
+    screen = greedy_screen.GreedyScreen.build(weight, packed)
     for bad in (float("inf"), float("nan"), 1e38):  # 1e38: a logit could overflow float32
         x = torch.randn(3, 64)
         x[1, 5] = bad
@@ -128,29 +129,27 @@ def test_rows_that_are_not_finite_go_to_the_full_head():
 
 def test_a_screen_that_cannot_narrow_sends_rows_to_the_full_head_and_then_turns_itself_off():
     weight = _head(512, 64)
-    packed = cpu_gemm.pack(weight)
-    screen = greedy_head.GreedyScreen.build(weight, packed)
+    packed = gemm.pack(weight)
+    screen = greedy_screen.GreedyScreen.build(weight, packed)
     x = torch.randn(5, 64, generator=torch.Generator().manual_seed(9))
     assert screen.greedy_ids(x) is not None
     # A zero hidden state: every logit is 0, all 512 are candidates (more than MAX_CANDIDATES).
     loose = torch.cat([x[:2], torch.zeros(1, 64)])
-    for _ in range(greedy_head._JUDGE_AFTER - 2):
+    for _ in range(greedy_screen._JUDGE_AFTER - 2):
         assert screen.greedy_ids(loose) is None
     assert screen.enabled  # 15 calls so far: not judged yet
     assert screen.greedy_ids(loose) is None
     assert not screen.enabled and screen.greedy_ids(x) is None  # 15 of 16 fell back: off for good
 
 
-def test_switched_off_or_without_onednn_there_is_no_screen(monkeypatch):
+def test_without_onednn_or_a_finite_float32_head_there_is_no_screen():
     weight = _head(512, 64)
-    packed = cpu_gemm.pack(weight)
-    assert greedy_head.GreedyScreen.build(weight, None) is None
-    assert greedy_head.GreedyScreen.build(weight.to(torch.bfloat16), packed) is None
+    packed = gemm.pack(weight)
+    assert greedy_screen.GreedyScreen.build(weight, None) is None
+    assert greedy_screen.GreedyScreen.build(weight.to(torch.bfloat16), packed) is None
     weight_bad = weight.clone()
     weight_bad[3, 3] = float("nan")
-    assert greedy_head.GreedyScreen.build(weight_bad, packed) is None
-    monkeypatch.setenv(greedy_head.DISABLE_ENV, "0")
-    assert greedy_head.GreedyScreen.build(weight, packed) is None
+    assert greedy_screen.GreedyScreen.build(weight_bad, packed) is None
 
 
 def test_a_loaded_model_builds_the_screen_at_load_and_rebuilds_it_for_a_new_weight(tiny_model_dir):
@@ -173,7 +172,6 @@ def _requests():
 
 
 def _generate(model_dir, requests, monkeypatch, screen_on):
-    monkeypatch.setenv(greedy_head.DISABLE_ENV, "1" if screen_on else "0")
     calls = []
     real = ModelRunner.execute
 
@@ -183,7 +181,9 @@ def _generate(model_dir, requests, monkeypatch, screen_on):
         return out
 
     monkeypatch.setattr(ModelRunner, "execute", spy)
-    engine = Engine(EngineConfig(model=str(model_dir), dtype="float32", kv_cache_gb=0.01, max_model_len=256))
+    engine = Engine(EngineConfig(model=str(model_dir), dtype="float32", kv_cache_gb=0.01, max_model_len=256,
+                                 greedy_screen="on" if screen_on else "off"))
+    assert (getattr(engine.runner.model, "_lm_head_screen", (None, None))[1] is not None) == screen_on
     results = engine.generate(requests)
     return {rid: list(r.output_token_ids) for rid, r in results.items()}, calls, results
 

@@ -1,5 +1,7 @@
-"""glibc malloc tuning for the CPU engine (worker/engine/host_memory.py): freed activation memory
-stays mapped, so steps stop faulting their pages in again; a user's own malloc choice is kept."""
+"""Host memory for the CPU engine (worker/engine/cpu/host_memory.py): glibc malloc tuned so freed
+activation memory stays mapped and steps stop faulting their pages in again, large tensors on huge
+pages; a user's own choice is kept, each engine setting works both ways, and the engine applies both
+before it loads its model."""
 
 import os
 import platform
@@ -9,15 +11,15 @@ import textwrap
 
 import pytest
 
-from tokenmill.engine.host_memory import skip_reason
+from tokenmill.engine.cpu.host_memory import huge_pages_skip_reason, skip_reason
 
 # Prefill-like steps of a small model: per layer a wide MLP activation and a narrower one, small
 # tensors in between, over chunks of varying length; then the minor page faults of a second pass.
 _STEPS = textwrap.dedent("""
     import resource, sys
     import torch
-    from tokenmill.engine.host_memory import keep_freed_memory
-    print(keep_freed_memory())
+    from tokenmill.engine.cpu.host_memory import keep_freed_memory
+    print(keep_freed_memory(sys.argv[1]))
 
     def steps():
         for t in (2048, 1500, 2048, 900, 2048, 1800) * 3:
@@ -45,28 +47,30 @@ _STEPS = textwrap.dedent("""
 """)
 
 
-def _faults(**env) -> tuple[str, int]:
-    # torch's huge-page setting would fault 2 MiB at a time: not what this test counts.
-    clean = {k: v for k, v in os.environ.items()
-             if not k.startswith("MALLOC_") and k not in ("GLIBC_TUNABLES", "THP_MEM_ALLOC_ENABLE")}
-    out = subprocess.run([sys.executable, "-c", _STEPS], env={**clean, **env}, capture_output=True, text=True,
-                         check=True, timeout=120).stdout.splitlines()
+def _clean_env() -> dict[str, str]:
+    # torch's huge-page setting would fault 2 MiB at a time: not what the malloc test counts.
+    return {k: v for k, v in os.environ.items()
+            if not k.startswith("MALLOC_") and k not in ("GLIBC_TUNABLES", "THP_MEM_ALLOC_ENABLE")}
+
+
+def _faults(setting: str = "auto", **env) -> tuple[str, int]:
+    out = subprocess.run([sys.executable, "-c", _STEPS, setting], env={**_clean_env(), **env}, capture_output=True,
+                         text=True, check=True, timeout=120).stdout.splitlines()
     return out[0], int(out[1])
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc malloc only")
 def test_tuned_process_reuses_freed_activation_memory():
-    state, tuned = _faults()
+    state, tuned = _faults("on")
     assert state == "tuned"
-    left_alone, default = _faults(TOKENMILL_MALLOC_TUNING="0")
-    assert left_alone == "skipped: TOKENMILL_MALLOC_TUNING=0"
+    left_alone, default = _faults("off")
+    assert left_alone == "skipped: malloc_tuning=off"
     # Default glibc gives pages back between steps and faults them in again (at least the blocks
     # above its largest adaptive mmap threshold: ~18 x 10,000 pages here); tuned, it keeps them.
     assert default > 100_000 and tuned < default / 20, (tuned, default)
 
 
 @pytest.mark.parametrize(("env", "why"), [
-    ({"TOKENMILL_MALLOC_TUNING": "0"}, "TOKENMILL_MALLOC_TUNING=0"),
     ({"MALLOC_TOP_PAD_": "1048576"}, "MALLOC_TOP_PAD_"),
     ({"MALLOC_TRIM_THRESHOLD_": "0", "MALLOC_MMAP_THRESHOLD_": "1"}, "MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_"),
     ({"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=0"}, "GLIBC_TUNABLES"),
@@ -74,6 +78,15 @@ def test_tuned_process_reuses_freed_activation_memory():
 ])
 def test_a_users_own_malloc_choice_is_left_alone(env, why):
     assert why in skip_reason(env)
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc malloc only")
+def test_malloc_tuning_on_refuses_a_process_where_it_cannot_act():
+    proc = subprocess.run([sys.executable, "-c", _STEPS, "on"], env={**_clean_env(), "MALLOC_TOP_PAD_": "1048576"},
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "malloc_tuning=on, but glibc malloc was not tuned (skipped: malloc already configured by MALLOC_TOP_PAD_)" \
+        in proc.stderr
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc malloc only")
@@ -87,10 +100,10 @@ _HUGE = textwrap.dedent("""
     import os
     import sys
     import torch
-    from tokenmill.engine.host_memory import large_tensors_on_huge_pages
+    from tokenmill.engine.cpu.host_memory import large_tensors_on_huge_pages
     if sys.argv[1] == "late":
         early = torch.ones(1 << 21)  # 8 MiB before the engine asks: torch has made its choice
-    state = large_tensors_on_huge_pages()
+    state = large_tensors_on_huge_pages(sys.argv[2])
     assert "THP_MEM_ALLOC_ENABLE" not in os.environ  # children keep the environment they had
     x = torch.ones(64 << 18)  # 64 MiB
     rollup = open("/proc/self/smaps_rollup").read()
@@ -99,10 +112,10 @@ _HUGE = textwrap.dedent("""
 """)
 
 
-def _huge_pages(order: str, **env) -> tuple[str, int]:
-    clean = {k: v for k, v in os.environ.items() if k not in ("THP_MEM_ALLOC_ENABLE", "TOKENMILL_HUGE_PAGES")}
-    out = subprocess.run([sys.executable, "-c", _HUGE, order], env={**clean, **env}, capture_output=True, text=True,
-                         check=True, timeout=120).stdout.splitlines()
+def _huge_pages(order: str, setting: str = "auto", **env) -> tuple[str, int]:
+    clean = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    out = subprocess.run([sys.executable, "-c", _HUGE, order, setting], env={**clean, **env}, capture_output=True,
+                         text=True, check=True, timeout=120).stdout.splitlines()
     return out[0], int(out[1])
 
 
@@ -122,24 +135,52 @@ def test_large_tensors_go_on_huge_pages_when_asked_in_time():
         assert huge_kb >= 48 << 10, huge_kb
     late, _ = _huge_pages("late")
     assert late.startswith("too late"), late
-    off, off_kb = _huge_pages("first", TOKENMILL_HUGE_PAGES="0")
-    assert off == "skipped: TOKENMILL_HUGE_PAGES=0"
+    off, off_kb = _huge_pages("first", "off")
+    assert off == "skipped: huge_pages=off"
     if _thp_mode() == "madvise":  # nothing advised, nothing huge (the kernel would not do it alone)
         assert off_kb < 8 << 10, off_kb
 
 
-@pytest.mark.parametrize(("env", "why"), [
-    ({"TOKENMILL_HUGE_PAGES": "0"}, "TOKENMILL_HUGE_PAGES=0"),
-    ({"THP_MEM_ALLOC_ENABLE": "0"}, "THP_MEM_ALLOC_ENABLE=0 set by the user"),
-])
-def test_a_users_own_huge_page_choice_is_left_alone(env, why):
-    from tokenmill.engine.host_memory import huge_pages_skip_reason
-
-    assert huge_pages_skip_reason(env) == why
+def test_a_users_own_huge_page_choice_is_left_alone():
+    assert huge_pages_skip_reason({"THP_MEM_ALLOC_ENABLE": "0"}) == "THP_MEM_ALLOC_ENABLE=0 set by the user"
 
 
-def test_a_mistyped_huge_page_switch_is_an_error_not_the_default():
-    from tokenmill.engine.host_memory import huge_pages_skip_reason
+@pytest.mark.skipif(_thp_mode() == "absent", reason="a Linux kernel with transparent huge pages only")
+def test_huge_pages_on_refuses_a_process_where_it_is_too_late():
+    clean = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    proc = subprocess.run([sys.executable, "-c", _HUGE, "late", "on"], env=clean, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode != 0
+    assert "huge_pages=on, but large CPU tensors are not on huge pages (too late" in proc.stderr
 
-    with pytest.raises(ValueError, match="TOKENMILL_HUGE_PAGES"):
-        huge_pages_skip_reason({"TOKENMILL_HUGE_PAGES": "of"})
+
+# A fresh process that starts a CPU engine with the two settings given: prints what each did and
+# whether the model's embedding (a tensor of 2 MiB or more, allocated at load) was advised for huge
+# pages, i.e. whether the settings acted before the model was loaded.
+_ENGINE = textwrap.dedent("""
+    import sys
+    from tokenmill.engine import Engine, EngineConfig
+    from tokenmill.engine.cpu import host_memory
+    engine = Engine(EngineConfig(model=sys.argv[1], dtype="float32", kv_cache_gb=0.01, huge_pages=sys.argv[2],
+                                 malloc_tuning=sys.argv[3]))
+    embedding = engine.runner.model.embed_tokens
+    assert embedding.numel() * 4 >= host_memory.HUGE_PAGE
+    print(host_memory._huge_pages, host_memory._applied, "hg" in host_memory._mapping_flags(embedding.data_ptr()))
+""")
+
+
+@pytest.mark.skipif(_thp_mode() == "absent" or platform.libc_ver()[0] != "glibc",
+                    reason="glibc on a Linux kernel with transparent huge pages only")
+def test_the_engine_applies_both_settings_before_it_loads_its_model():
+    from tokenmill.tools.tiny_models import cached_tiny_model
+
+    model_dir = cached_tiny_model("tiny-llama")  # an embedding of 32 MB
+
+    def engine_run(huge_pages: str, malloc_tuning: str) -> list[str]:
+        proc = subprocess.run([sys.executable, "-c", _ENGINE, str(model_dir), huge_pages, malloc_tuning],
+                              env=_clean_env(), capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc.stdout.split()
+
+    assert engine_run("auto", "auto") == ["on", "tuned", "True"]
+    assert engine_run("off", "off") == ["None", "None", "False"]

@@ -2,6 +2,8 @@
 whole prompts, chunked prefill and token-by-token decode through the paged cache (block tables out of
 order), and a mixed batch of decode and prefill rows against each sequence alone."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -9,6 +11,7 @@ from tests.paged_helpers import PagedKV, run_step
 from tokenmill.engine.attention import AttentionMetadata, OutputRows
 from tokenmill.engine.attention.torch_backend import TorchAttentionBackend
 from tokenmill.engine.loader import load_model
+from tokenmill.kernels.cpu.paths import CpuPaths, default_cpu_paths
 
 ATOL = 1e-4
 
@@ -55,10 +58,27 @@ def test_chunks_then_token_by_token_match_transformers(models):
     assert kv.tables["a"] != sorted(kv.tables["a"])  # the cache really was used out of order
 
 
+def test_plain_torch_with_every_cpu_path_off_matches_transformers(models, tiny_model_dir):
+    """The model on CpuPaths() (every CPU path setting off, as a CUDA engine hands it too) takes no C
+    kernel and no oneDNN GEMM, and its logits still match transformers, chunk by chunk and token by
+    token, as the default paths' do (the tests above)."""
+    _, cfg, ref = models
+    plain, _ = load_model(tiny_model_dir, attention_backend=TorchAttentionBackend(CpuPaths()), cpu_paths=CpuPaths())
+    assert not plain.ops.c_elementwise and not plain.attention_backend.use_cpu_kernel
+    assert plain._lm_head_packed() is None and plain.greedy_ids(torch.zeros(1, cfg.hidden_size)) is None
+    ids = prompt(cfg, 40, seed=5)
+    expected = reference_logits(ref, ids)
+    kv = PagedKV.for_model(cfg, num_blocks=16, block_size=4, seed=3)
+    cuts = [0, 9, 23, 33] + list(range(34, 41))
+    for a, b in zip(cuts, cuts[1:], strict=False):
+        (hidden,) = run_step(plain, kv, [("a", ids[a:b])])
+        torch.testing.assert_close(plain.compute_logits(hidden), expected[a:b], atol=ATOL, rtol=0)
+
+
 @pytest.mark.parametrize("use_cpu_kernel", [True, False], ids=["c-kernel", "torch"])
 def test_mixed_batch_equals_each_sequence_alone(models, use_cpu_kernel):
     ours, cfg, ref = models
-    ours.attention_backend = TorchAttentionBackend(use_cpu_kernel=use_cpu_kernel)
+    ours.attention_backend = TorchAttentionBackend(replace(default_cpu_paths(), decode_attention=use_cpu_kernel))
     prompts = {name: prompt(cfg, n, seed=10 + i) for i, (name, n) in enumerate(
         [("d1", 21), ("d2", 9), ("d3", 40), ("fresh", 26), ("chunked", 30), ("one", 1)]
     )}
@@ -109,7 +129,7 @@ def test_output_rows_skip_the_last_layer_for_other_tokens_only(models, use_cpu_k
     for equal the full forward's, and every layer's cache is bit for bit what the full forward wrote
     (later steps depend on it), also when no row samples."""
     ours, cfg, _ = models
-    ours.attention_backend = TorchAttentionBackend(use_cpu_kernel=use_cpu_kernel)
+    ours.attention_backend = TorchAttentionBackend(replace(default_cpu_paths(), decode_attention=use_cpu_kernel))
     prompts = {name: prompt(cfg, n, seed=40 + i) for i, (name, n) in enumerate(
         [("dec", 19), ("fresh", 23), ("chunk", 37), ("one", 1)]
     )}
@@ -150,11 +170,11 @@ def test_lm_head_gives_each_row_the_same_bits_at_any_row_count(models):
     torch.testing.assert_close(full, torch.nn.functional.linear(hidden, ours.lm_head), atol=1e-5, rtol=1e-5)
 
 
-def test_lm_head_without_onednn_gives_the_bits_of_f_linear(tiny_model_dir, monkeypatch):
-    """Without oneDNN the LM head multiplies by a transposed copy of the weight from 4 rows up; that
-    copy must change no bit of any logit against F.linear."""
-    monkeypatch.setenv("TOKENMILL_ONEDNN_LINEAR", "0")
-    ours, cfg = load_model(tiny_model_dir, attention_backend=TorchAttentionBackend())
+def test_lm_head_without_onednn_gives_the_bits_of_f_linear(tiny_model_dir):
+    """Without oneDNN (the engine's onednn_linear off) the LM head multiplies by a transposed copy of
+    the weight from 4 rows up; that copy must change no bit of any logit against F.linear."""
+    paths = replace(default_cpu_paths(), onednn_linear=False, greedy_screen=False)
+    ours, cfg = load_model(tiny_model_dir, attention_backend=TorchAttentionBackend(paths), cpu_paths=paths)
     assert ours._lm_head_packed() is None
     for rows in (1, 3, 4, 5, 15, 16, 17, 64):
         hidden = torch.randn(rows, cfg.hidden_size, generator=torch.Generator().manual_seed(rows))

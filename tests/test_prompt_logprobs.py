@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from tokenmill.engine import Engine, EngineConfig, greedy_head
+from tokenmill.engine import Engine, EngineConfig
 from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.engine.types import EngineRequest, FinishReason, SamplingParams
 from tokenmill.tools.tiny_models import cached_tiny_model
@@ -206,10 +206,9 @@ def test_score_from_and_max_tokens_zero(case):
 
 def test_logits_are_computed_for_the_scored_positions_only_and_in_bounded_chunks(monkeypatch):
     # The greedy sampling row would take the greedy screen (no logits at all): count logits rows only.
-    monkeypatch.setenv(greedy_head.DISABLE_ENV, "0")
     model_dir = cached_tiny_model("test-llama")
     engine = Engine(EngineConfig(model=str(model_dir), dtype="float32", kv_cache_gb=kv_gb(model_dir, 200),
-                                 enable_prefix_caching=False))
+                                 enable_prefix_caching=False, greedy_screen="off"))
     model = engine.runner.model
     rows: list[int] = []
     real = model.compute_logits

@@ -45,8 +45,14 @@ def test_the_wheel_holds_one_top_level_package_with_its_data(built):
     assert {t for t in top if not t.endswith(".dist-info")} == {"tokenmill"}
     for needed in ("tokenmill/cli/__init__.py", "tokenmill/engine/engine.py", "tokenmill/schemas/job.py",
                    "tokenmill/kernels/paged_attention.py", "tokenmill/tools/bench.py",
-                   "tokenmill/schemas/json/job.schema.json", "tokenmill/eval/tasks/"):
+                   "tokenmill/schemas/json/job.schema.json", "tokenmill/eval/tasks/",
+                   "tokenmill/kernels/cpu/paths.py", "tokenmill/kernels/cpu/csrc/amx_tiles.h"):
         assert any(name.startswith(needed) for name in names), needed
+    # Every C source of the CPU kernels: the engine compiles them on the machine it runs on.
+    from tokenmill.kernels.cpu.build import CSRC
+
+    sources = {f"tokenmill/kernels/cpu/csrc/{p.name}" for p in CSRC.iterdir() if p.suffix in (".c", ".h")}
+    assert len(sources) >= 7 and sources <= set(names), sorted(sources - set(names))
     entry = next(n for n in names if n.endswith("entry_points.txt"))
     assert "tokenmill = tokenmill.cli:main" in zipfile.ZipFile(built["wheel"]).read(entry).decode()
 

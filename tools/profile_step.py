@@ -25,9 +25,9 @@ core only. The timers cost about a microsecond per call, so the timed run is a l
 `tokenmill bench`; the untimed wall time of the same run is printed beside it.
 
 The timed run takes the Python layers, whose kernel calls the timers wrap; the untimed run takes a
-pure decode step's layers in one C call where the engine does (worker/engine/cpu_decode_layers.py),
+pure decode step's layers in one C call where the engine does (kernels/cpu/decode_layers.py),
 so the gap between the two figures includes that. The timed and untimed runs take every step whole. From two threads the engine cuts a step's model
-body into parts that run side by side on threads of their own (worker/engine/cpu_step_parts.py),
+body into parts that run side by side on threads of their own (worker/engine/cpu/step_parts.py),
 which per-part timers on one thread cannot follow: a third run, untimed, with the engine's parts,
 is printed below the table.
 """
@@ -88,9 +88,7 @@ def _patch(stack: ExitStack, owner: Any, name: str, wrapper: Callable[[Callable]
 def _instrument(stack: ExitStack, timer: PartTimer) -> None:
     import torch.nn.functional as F
 
-    from tokenmill.engine import cpu_amx_gemm, cpu_gemm
     from tokenmill.engine import engine as engine_module
-    from tokenmill.engine.attention import cpu_amx_prefill, cpu_decode_kernel
     from tokenmill.engine.attention.torch_backend import TorchAttentionBackend
     from tokenmill.engine.detokenizer import IncrementalDetokenizer
     from tokenmill.engine.model_runner import ModelRunner
@@ -98,6 +96,7 @@ def _instrument(stack: ExitStack, timer: PartTimer) -> None:
     from tokenmill.engine.models import ops as ops_module
     from tokenmill.engine.models.decoder import DecoderForCausalLM
     from tokenmill.engine.scheduler import Scheduler
+    from tokenmill.kernels.cpu import amx_gemm, amx_prefill_attention, decode_attention, gemm
 
     def linear_part(parents: list[str]) -> str:
         return "LM head" if "LM head" in parents else "GEMM"
@@ -123,11 +122,11 @@ def _instrument(stack: ExitStack, timer: PartTimer) -> None:
         (engine_module, "launch_sampling", "sampling"),
     ]:
         _patch(stack, owner, name, lambda fn, part=part: timer.wrap(part, fn))
-    _patch(stack, cpu_decode_kernel, "paged_decode_attention", lambda fn: _kernel_split(timer, fn))
-    _patch(stack, cpu_amx_prefill, "prefill_attention_rows", lambda fn: timer.wrap("prefill attention", fn))
+    _patch(stack, decode_attention, "paged_decode_attention", lambda fn: _kernel_split(timer, fn))
+    _patch(stack, amx_prefill_attention, "prefill_attention_rows", lambda fn: timer.wrap("prefill attention", fn))
     _patch(stack, F, "linear", lambda fn: timer.wrap(linear_part, fn))
-    _patch(stack, cpu_gemm, "linear", lambda fn: timer.wrap(linear_part, fn))
-    _patch(stack, cpu_amx_gemm.SplitWeight, "_gemm", lambda fn: timer.wrap(linear_part, fn))
+    _patch(stack, gemm, "linear", lambda fn: timer.wrap(linear_part, fn))
+    _patch(stack, amx_gemm.SplitWeight, "_gemm", lambda fn: timer.wrap(linear_part, fn))
     _patch(stack, decoder_module, "rms_norm", lambda fn: timer.wrap("element-wise", fn))  # Qwen3's q/k norm
 
 
@@ -180,12 +179,12 @@ def profile_once(model: str, threads: int, num_requests: int, seed: int = 0, kv_
                                  kv_cache_gb=kv_cache_gb))
     engine.generate(_engine_requests(warm_up_workload(), "warm"))
 
-    # The timers time one thread at a time: steps cut into parts (cpu_step_parts.py) would run the
+    # The timers time one thread at a time: steps cut into parts (engine/cpu/step_parts.py) would run the
     # layers on two threads at once, so the timed and plain runs take whole steps, and a third run,
     # untimed, the engine's own choice.
     parts_pool, engine.runner.step_parts = engine.runner.step_parts, None
     # The timers wrap the Python layers' kernel calls: a decode step's layers in one C call
-    # (cpu_decode_layers.py) would hide them, so the timed run takes the Python layers and the plain
+    # (kernels/cpu/decode_layers.py) would hide them, so the timed run takes the Python layers and the plain
     # run the engine's own choice.
     network = engine.runner.model
     decode_layers, network._decode_layers = network._decode_layers, None

@@ -18,6 +18,8 @@ from tokenmill.engine.fields import problems_of, setting
 
 # CPU has no "free accelerator memory" to take a fraction of: the KV cache gets this much.
 CPU_DEFAULT_KV_GB = 2.0
+# The choices of every CPU path setting (kernels/cpu/paths.py) and of the host memory ones.
+CPU_PATH_CHOICES = ("auto", "on", "off")
 
 
 @dataclass
@@ -61,6 +63,54 @@ class EngineConfig:
         help="parts a CPU step's model body is cut into, run side by side on threads of their own, each "
              "with its share of the torch threads (default: 2 from 2 threads under OMP_WAIT_POLICY=PASSIVE, "
              "else 1, which runs every step whole)",
+    )
+
+    # The CPU paths (kernels/cpu/paths.py), resolved once at engine start: "auto" takes a path where it
+    # runs here, "on" refuses to start where it cannot, "off" keeps plain torch (or the next path down).
+    amx_gemm: str = setting(
+        "auto", choices=CPU_PATH_CHOICES,
+        help="CPU: float32 layer projections on the AMX split-bfloat16 kernel, float32's accuracy (auto: where "
+             "the CPU has AMX tiles; on: refuse to start without them)",
+    )
+    onednn_linear: str = setting(
+        "auto", choices=CPU_PATH_CHOICES,
+        help="CPU: the float32 LM head on oneDNN, its weight packed at load (auto: where torch has oneDNN; "
+             "off: MKL's F.linear, also for the layers)",
+    )
+    onednn_layers: str = setting(
+        "auto", choices=CPU_PATH_CHOICES,
+        help="CPU without the AMX kernel: the float32 layer projections on oneDNN (auto: from hidden size 512; "
+             "on: at any size; off: MKL's F.linear, transformers' own bits)",
+    )
+    greedy_screen: str = setting(
+        "auto", choices=CPU_PATH_CHOICES,
+        help="CPU: plain greedy rows skip the full float32 LM head, a bfloat16 screen then float32 for the few "
+             "candidates, the same token (auto: where oneDNN has a bfloat16 GEMM)",
+    )
+    cpu_elementwise: str = setting(
+        "auto", choices=CPU_PATH_CHOICES,
+        help="CPU: add + RMSNorm, the rotary and the K/V write as one C pass each, torch's bits (auto: where a C "
+             "compiler builds them)",
+    )
+    cpu_attention_kernel: str = setting(
+        "auto", choices=CPU_PATH_CHOICES,
+        help="CPU: decode and short prefill rows attend in C, read in place from the paged KV cache (auto: where "
+             "a C compiler builds it; off: torch's gather and GEMMs)",
+    )
+    decode_layers_in_c: str = setting(
+        "auto", choices=CPU_PATH_CHOICES,
+        help="CPU: a pure decode step's layers in one C call, the same bits (auto: where the AMX kernel, the C "
+             "element-wise passes and the C attention all run)",
+    )
+    huge_pages: str = setting(
+        "auto", choices=CPU_PATH_CHOICES,
+        help="CPU: tensors of 2 MiB or more on transparent huge pages, set before the model loads (auto: on Linux "
+             "with them, unless THP_MEM_ALLOC_ENABLE is set)",
+    )
+    malloc_tuning: str = setting(
+        "auto", choices=CPU_PATH_CHOICES,
+        help="CPU: glibc malloc keeps freed memory mapped, so steps stop faulting their activations in again "
+             "(auto: unless MALLOC_*_, GLIBC_TUNABLES or another allocator chose)",
     )
 
     structured_compile_timeout_s: float = setting(

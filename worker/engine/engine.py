@@ -40,10 +40,10 @@ from pathlib import Path
 
 from tokenmill.engine.block_manager import BlockManager
 from tokenmill.engine.config import EngineConfig
-from tokenmill.engine.cpu_step_parts import StepPartPool, default_parts, head_weight, key_weight, layer_params
-from tokenmill.engine.cpu_threads import apply_cpu_threads
+from tokenmill.engine.cpu.host_memory import keep_freed_memory, large_tensors_on_huge_pages
+from tokenmill.engine.cpu.step_parts import StepPartPool, default_parts, head_weight, key_weight, layer_params
+from tokenmill.engine.cpu.threads import apply_cpu_threads
 from tokenmill.engine.fault_isolation import FaultIsolation, StepFault, blame, describe
-from tokenmill.engine.host_memory import keep_freed_memory, large_tensors_on_huge_pages
 from tokenmill.engine.metrics import EngineMetrics
 from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.engine.outputs import final_delta, token_delta, token_logprobs
@@ -74,6 +74,7 @@ from tokenmill.engine.types import (
     RequestDelta,
     TokenLogprob,
 )
+from tokenmill.kernels.cpu.paths import CpuPaths, resolve_cpu_paths
 
 log = logging.getLogger(__name__)
 
@@ -93,14 +94,18 @@ class Engine:
         self.config = config
         self.device = resolve_device(config.device)
         self.cpu_threads: int | None = None
+        self.cpu_paths = CpuPaths()  # on CUDA no CPU kernel takes a tensor
         if self.device.type == "cpu":
-            keep_freed_memory()  # steps stop re-faulting their activations' pages (see host_memory)
-            large_tensors_on_huge_pages()  # weights and activations on 2 MiB pages, before the model loads
+            keep_freed_memory(config.malloc_tuning)  # steps stop re-faulting their activations' pages
+            large_tensors_on_huge_pages(config.huge_pages)  # weights and activations on 2 MiB pages, before loading
             self.cpu_threads, why = apply_cpu_threads(config.cpu_threads)
             log.info("CPU engine computes with %d thread(s): %s", self.cpu_threads, why)
-        backend = get_attention_backend(config.attention_backend, self.device)
+            self.cpu_paths = resolve_cpu_paths(config)  # which CPU kernels the model and the backend take
+            log.info("CPU paths: %s", self.cpu_paths)
+        backend = get_attention_backend(config.attention_backend, self.device, self.cpu_paths)
         self.model, self.model_config = load_model(
-            config.model, dtype=config.dtype, device=self.device, attention_backend=backend
+            config.model, dtype=config.dtype, device=self.device, attention_backend=backend,
+            cpu_paths=self.cpu_paths,
         )
         self.attention_backend = backend
         graph_mode = resolve_graph_mode(config.cuda_graphs, self.device, backend.name)
@@ -153,7 +158,7 @@ class Engine:
         )
 
     def _step_part_pool(self, config: EngineConfig) -> StepPartPool | None:
-        """The threads a CPU step's parts run on (cpu_step_parts.py), or None for whole steps."""
+        """The threads a CPU step's parts run on (cpu/step_parts.py), or None for whole steps."""
         if self.device.type != "cpu" or self.cpu_threads is None:
             return None
         parts = default_parts(self.cpu_threads) if config.cpu_step_parts is None else config.cpu_step_parts

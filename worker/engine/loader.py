@@ -13,14 +13,38 @@ from pathlib import Path
 import torch
 
 from tokenmill.engine.attention import AttentionBackend
-from tokenmill.engine.checkpoint_files import weight_files
-from tokenmill.engine.model_config import CheckpointError, ModelConfig, load_model_config
+from tokenmill.engine.model_config import CheckpointError, ModelConfig, load_model_config, read_json
 from tokenmill.engine.models import MODEL_CLASSES
+from tokenmill.kernels.cpu.paths import CpuPaths
 
 log = logging.getLogger(__name__)
 
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
 # Tensors some checkpoints carry that the model recomputes instead of loading.
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+def weight_files(model_dir: Path) -> list[Path]:
+    """The safetensors files of a checkpoint, checked to exist."""
+    index_path = model_dir / INDEX_FILE
+    if index_path.exists():
+        weight_map = read_json(index_path).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index_path} has no weight_map")
+        names = sorted(set(weight_map.values()))
+        missing = [n for n in names if not (model_dir / n).exists()]
+        if missing:
+            raise CheckpointError(f"{model_dir} lacks weight shard(s) listed in {INDEX_FILE}: {', '.join(missing)}")
+        return [model_dir / n for n in names]
+    if (model_dir / SINGLE_FILE).exists():
+        return [model_dir / SINGLE_FILE]
+    shards = sorted(model_dir.glob("*.safetensors"))
+    if shards:
+        return shards
+    others = sorted(p.name for p in model_dir.glob("*.bin")) + sorted(p.name for p in model_dir.glob("*.gguf"))
+    hint = f" (found {', '.join(others)}: only safetensors weights are loaded; convert GGUF with `tokenmill convert`)" if others else ""
+    raise CheckpointError(f"{model_dir} has no weights: expected {SINGLE_FILE} or {INDEX_FILE} with shards{hint}")
 
 
 def _tensor_names(files: list[Path]) -> dict[str, Path]:
@@ -44,12 +68,14 @@ def load_model(
     device: str | torch.device = "cpu",
     attention_backend: AttentionBackend,
     layer_ops: str = "auto",
+    cpu_paths: CpuPaths | None = None,
 ) -> tuple[torch.nn.Module, ModelConfig]:
     """Build our model for the checkpoint at `path` and load its weights.
 
     dtype: "auto" (the checkpoint's dtype on CUDA, float32 elsewhere), "float32", "bfloat16", "float16".
     layer_ops: "auto" (fused Triton kernels for norm/rotary/SiLU on CUDA, torch elsewhere), "torch",
     "triton" (on a CPU only under the Triton interpreter, for tests).
+    cpu_paths: the CPU kernels a float32 CPU model takes (default: every one that runs here).
     """
     model_dir = Path(path)
     device = torch.device(device)
@@ -60,7 +86,7 @@ def load_model(
         # No separate output projection stored: the checkpoint ties it to the input embedding.
         cfg.tie_word_embeddings = True
 
-    model = MODEL_CLASSES[cfg.architecture](cfg, attention_backend, device, layer_ops=layer_ops)
+    model = MODEL_CLASSES[cfg.architecture](cfg, attention_backend, device, layer_ops=layer_ops, cpu_paths=cpu_paths)
     needed = model.checkpoint_tensor_names()
     missing = [n for n in needed if n not in where]
     if missing:
@@ -80,5 +106,5 @@ def load_model(
         with safe_open(str(file), framework="pt", device="cpu") as f:
             model.load_weights((n, f.get_tensor(n)) for n in f.keys() if n in wanted and where[n] == file)
     model.eval()
-    model.pack_for_cpu()  # float32 on the CPU: oneDNN GEMMs, packed now (cpu_gemm.py)
+    model.pack_for_cpu()  # float32 on the CPU: the CPU paths' weights packed now (kernels/cpu/)
     return model, cfg

@@ -40,9 +40,9 @@ import numpy as np
 import torch
 
 from tokenmill.engine.attention import AttentionMetadata, OutputRows
-from tokenmill.engine.cpu_step_parts import StepPartPool, plan_parts
+from tokenmill.engine.cpu.host_memory import HUGE_PAGE
+from tokenmill.engine.cpu.step_parts import StepPartPool, plan_parts
 from tokenmill.engine.cuda_graphs import DecodeGraphRunner, capture_sizes
-from tokenmill.engine.host_memory import HUGE_PAGE
 from tokenmill.engine.request import PENDING_TOKEN, Request
 from tokenmill.engine.sampler import Sampler
 from tokenmill.engine.scoring import ScoreRows, record_scores, score_rows
@@ -80,7 +80,8 @@ class PendingTokens:
 @dataclass
 class GreedyIds:
     """What a step returns instead of logits when every sampling row is plain greedy and the model
-    found their argmax without the full LM head (greedy_head.py): the ids [rows], on the CPU."""
+    found their argmax without the full LM head (kernels/cpu/greedy_screen.py): the ids [rows], on
+    the CPU."""
 
     ids: torch.Tensor
 
@@ -193,7 +194,7 @@ class ModelRunner:
         head_weight: float = 0.0,
     ) -> None:
         """step_parts: on the CPU, run a step's model body as parts side by side on this pool's
-        threads (cpu_step_parts.py); key_weight and head_weight: one attended key's and one sampling
+        threads (cpu/step_parts.py); key_weight and head_weight: one attended key's and one sampling
         row's work against one token's projections, for cutting steps into even parts."""
         if graph_mode not in GRAPH_MODES:
             raise ValueError(f"graph_mode must be one of {', '.join(GRAPH_MODES)}, got {graph_mode!r}")
@@ -540,7 +541,7 @@ class ModelRunner:
         )
 
     def _plan_parts(self, out: SchedulerOutput) -> list[slice] | None:
-        """How the step's requests would be cut into parts (cpu_step_parts.py); None when the step
+        """How the step's requests would be cut into parts (cpu/step_parts.py); None when the step
         does not split well (uneven work, too small) or scores prompt positions (their rows are
         not cut)."""
         requests = out.requests

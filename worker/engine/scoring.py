@@ -99,7 +99,7 @@ def score_hidden(
     # Two [chunk, vocab] float32 blocks serve every chunk: the logits (the first chunk's tensor,
     # written into again) and a work block for the exp and the rank comparison. With fresh blocks
     # per chunk (logits, logsumexp's exp, the comparison mask) the host heap, whose freed memory
-    # stays mapped (host_memory.py), fragmented and grew: a 4,096-token prompt then peaked about
+    # stays mapped (cpu/host_memory.py), fragmented and grew: a 4,096-token prompt then peaked about
     # twice as far above the loaded engine, and by a different amount from run to run.
     logits_buf: torch.Tensor | None = None
     work: torch.Tensor | None = None

@@ -16,21 +16,24 @@ from __future__ import annotations
 import torch
 
 from tokenmill.engine.attention.metadata import AttentionBackend, AttentionMetadata, OutputRows
+from tokenmill.kernels.cpu.paths import CpuPaths
 
 __all__ = ["AttentionBackend", "AttentionMetadata", "OutputRows", "BACKEND_NAMES", "get_attention_backend"]
 
 BACKEND_NAMES = ("auto", "torch", "triton")
 
 
-def get_attention_backend(name: str, device: str | torch.device = "cpu") -> AttentionBackend:
-    """A backend by name: "torch"; "triton"; "auto" = triton on CUDA, torch elsewhere."""
+def get_attention_backend(name: str, device: str | torch.device = "cpu",
+                          cpu_paths: CpuPaths | None = None) -> AttentionBackend:
+    """A backend by name: "torch"; "triton"; "auto" = triton on CUDA, torch elsewhere. cpu_paths: the
+    C kernels the torch backend takes on the CPU (default: every one that runs here)."""
     device = torch.device(device)
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     if name == "torch":
         from tokenmill.engine.attention.torch_backend import TorchAttentionBackend
 
-        return TorchAttentionBackend()
+        return TorchAttentionBackend(cpu_paths)
     if name == "triton":
         try:
             from tokenmill.engine.attention.triton_backend import TritonAttentionBackend

@@ -2,7 +2,7 @@
 
 How one attend() call is organised (per layer; the plan behind it is built once per step):
 
-- Decode rows (one query token), float32 on the CPU: the C kernel of cpu_decode_kernel.py reads each
+- Decode rows (one query token), float32 on the CPU: the C kernel of kernels/cpu/decode_attention.py reads each
   row's K/V in place through its block table (no gather; about 2x faster than the torch path below).
 - Prefill rows of at most KERNEL_PREFILL_MAX_LEN tokens (context included), float32 on the CPU: each
   query token goes to the same kernel as a row of its own that sees the keys up to its position. The
@@ -11,8 +11,8 @@ How one attend() call is organised (per layer; the plan behind it is built once 
   SmolLM2's shapes (9 / 3 heads): 1.28x faster at 252 tokens on one thread, 1.41x on two; tiny-llama's
   (4 / 2): 1.13x and 1.98x. From 1,024 tokens each token rereading the row's keys from L3 costs more
   than SDPA's tiles (26.4 against 22.8 ms at 1,024 on SmolLM2's shapes), so longer rows keep SDPA.
-- Prefill rows of at least cpu_amx_prefill.MIN_TOKENS new tokens, at any length, on a CPU with AMX
-  tiles: the two GEMMs of each head on the tiles (attention/cpu_amx_prefill.py), about 2x the
+- Prefill rows of at least amx_prefill_attention.MIN_TOKENS new tokens, at any length, on a CPU with AMX
+  tiles: the two GEMMs of each head on the tiles (kernels/cpu/amx_prefill_attention.py), about 2x the
   kernel above at 200-500 tokens. Shorter rows (a chunk after a long context) stay token rows.
 - Decode rows otherwise (no C compiler, 16-bit, other devices) are sorted by context length and cut
   into buckets whose lengths are close, so padding stays small. Per bucket, one index_select gathers
@@ -25,6 +25,9 @@ How one attend() call is organised (per layer; the plan behind it is built once 
   sequence length), one SDPA call per group: their context plus new tokens are gathered block by
   block into the workspace; a fresh prefill uses SDPA's causal path, a chunk after cached context a
   causal mask shifted by the context length.
+
+Which of these the backend takes is the engine's CpuPaths (kernels/cpu/paths.py), read once at
+construction: the C kernel and the AMX prefill where it says so, the torch paths otherwise.
 
 Why the workspaces: a gather of tens of MB into a freshly allocated tensor costs several times the
 copy itself on Linux (the allocator hands the pages back and every step faults them in again).
@@ -39,9 +42,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from tokenmill.engine import cpu_elementwise
-from tokenmill.engine.attention import cpu_amx_prefill, cpu_decode_kernel
 from tokenmill.engine.attention.metadata import AttentionMetadata
+from tokenmill.kernels.cpu import amx_prefill_attention, decode_attention, elementwise
+from tokenmill.kernels.cpu.paths import CpuPaths, default_cpu_paths
 
 # Decode bucketing: a bucket grows while its longest row has at most this factor more blocks than its
 # shortest (sorted ascending), so padded work is bounded by ~1.25x the real work; tiny buckets cost
@@ -96,7 +99,7 @@ class _StepPlan:
     prefill: list[_PrefillGroup]
     all_tokens_decode_in_order: bool  # output can be written without an index_copy
     kernel_rows: _KernelRows | None = None  # set instead of `decode` when the C kernel runs
-    # Prefill rows for the AMX kernel (cpu_amx_prefill.py): (first token, block table row, tokens, context),
+    # Prefill rows for the AMX kernel (amx_prefill_attention.py): (first token, block table row, tokens, context),
     # and the same as the int64 table its one call per layer reads (built once per step).
     amx_prefill: list[tuple[int, int, int, int]] | None = None
     amx_prefill_rows: torch.Tensor | None = None
@@ -110,13 +113,14 @@ class TorchAttentionBackend:
     # themselves in a pass fused with the rotary (models/ops.py, TorchOps.rotary_write_kv).
     kv_write_is_plain_copy = True
 
-    def __init__(self, use_cpu_kernel: bool | None = None) -> None:
-        """use_cpu_kernel: decode rows through the C kernel for fp32 CPU tensors (None = when it builds)."""
-        self.use_cpu_kernel = cpu_decode_kernel.available() if use_cpu_kernel is None else use_cpu_kernel
-        if self.use_cpu_kernel and not cpu_decode_kernel.available():
-            raise RuntimeError("the CPU decode attention kernel was requested but could not be built")
+    def __init__(self, cpu_paths: CpuPaths | None = None) -> None:
+        """cpu_paths: which C kernels take float32 CPU tensors (default: every one that runs here)."""
+        paths = default_cpu_paths() if cpu_paths is None else cpu_paths
+        self.use_cpu_kernel = paths.decode_attention  # decode and short prefill rows through the C kernel
+        self.use_amx_prefill = paths.amx_prefill_attention  # long prefill rows on the AMX tiles
+        self.use_cpu_elementwise = paths.elementwise  # the K/V write as one C pass
         # The step plan and the gather workspaces, per thread: the parts of a split CPU step
-        # (cpu_step_parts.py) run the layers on threads of their own, each with its own metadata.
+        # (engine/cpu/step_parts.py) run the layers on threads of their own, each with its own metadata.
         self._local = threading.local()
 
     def _state(self) -> threading.local:
@@ -135,7 +139,8 @@ class TorchAttentionBackend:
         value_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
-        if key.device.type == "cpu" and cpu_elementwise.write_kv(key, value, key_cache, value_cache, slot_mapping):
+        if (self.use_cpu_elementwise and key.device.type == "cpu"
+                and elementwise.write_kv(key, value, key_cache, value_cache, slot_mapping)):
             return
         num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
         key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
@@ -149,20 +154,20 @@ class TorchAttentionBackend:
             and key_cache.is_contiguous() and value_cache.is_contiguous()
             and query.stride(2) == 1 and query.stride(1) == query.shape[2]
         )
-        plan = self._plan_for(meta, key_cache, query.dtype, query.device, use_kernel,
-                              use_kernel and cpu_amx_prefill.applies(query.shape[2]))
+        use_amx_prefill = use_kernel and self.use_amx_prefill and amx_prefill_attention.applies(query.shape[2])
+        plan = self._plan_for(meta, key_cache, query.dtype, query.device, use_kernel, use_amx_prefill)
         if plan.all_tokens_decode_in_order and len(plan.decode) == 1:
             bucket = plan.decode[0]
             return self._decode(query, key_cache, value_cache, bucket, scale, rows_in_order=True)
         out = torch.empty_like(query)
         if plan.kernel_rows is not None and plan.kernel_rows.token_index.numel():
             kd = plan.kernel_rows
-            cpu_decode_kernel.paged_decode_attention(
+            decode_attention.paged_decode_attention(
                 query, key_cache, value_cache, kd.block_tables, kd.token_index, kd.table_row, kd.seq_lens,
                 kd.max_len, out, scale,
             )
         if plan.amx_prefill:
-            cpu_amx_prefill.prefill_attention_rows(query, key_cache, value_cache, plan.kernel_rows.block_tables,
+            amx_prefill_attention.prefill_attention_rows(query, key_cache, value_cache, plan.kernel_rows.block_tables,
                                                    plan.amx_prefill_rows, out, scale)
         for bucket in plan.decode:
             out.index_copy_(0, bucket.token_index, self._decode(query, key_cache, value_cache, bucket, scale))
@@ -174,12 +179,12 @@ class TorchAttentionBackend:
                            head_dim: int) -> _KernelRows | None:
         """The step's rows for the C decode kernel when the kernel attends every token of the step
         (a pure decode step of float32 CPU tensors), else None. For a caller that runs the kernel
-        itself (cpu_decode_layers.py); the plan is the one attend() builds and keeps for the step."""
+        itself (kernels/cpu/decode_layers.py); the plan is the one attend() builds and keeps for the step."""
         if not (self.use_cpu_kernel and key_cache.device.type == "cpu" and key_cache.dtype == torch.float32
                 and key_cache.is_contiguous() and value_cache.is_contiguous()):
             return None
         plan = self._plan_for(meta, key_cache, torch.float32, key_cache.device, True,
-                              cpu_amx_prefill.applies(head_dim))
+                              self.use_amx_prefill and amx_prefill_attention.applies(head_dim))
         rows = plan.kernel_rows
         if rows is None or plan.prefill or plan.amx_prefill or plan.decode or rows.token_index.numel() != meta.num_tokens:
             return None
@@ -260,7 +265,7 @@ def _blocks_for(seq_len: int, block_size: int) -> int:
 def build_plan(meta: AttentionMetadata, block_size: int, num_kv_heads: int = 1,
                dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                use_kernel: bool = False, num_blocks: int | None = None, use_amx_prefill: bool = False) -> _StepPlan:
-    """use_amx_prefill (with use_kernel): prefill rows of at least cpu_amx_prefill.MIN_TOKENS new tokens
+    """use_amx_prefill (with use_kernel): prefill rows of at least amx_prefill_attention.MIN_TOKENS new tokens
     go to the AMX prefill kernel, at any length."""
     starts = meta.query_start_loc_cpu
     seq_lens = meta.seq_lens_cpu
@@ -308,7 +313,7 @@ def build_plan(meta: AttentionMetadata, block_size: int, num_kv_heads: int = 1,
     amx_prefill: list[tuple[int, int, int, int]] = []
     for (q_len, seq_len), rows in prefill_rows.items():
         context = seq_len - q_len
-        if use_kernel and use_amx_prefill and q_len >= cpu_amx_prefill.MIN_TOKENS:
+        if use_kernel and use_amx_prefill and q_len >= amx_prefill_attention.MIN_TOKENS:
             amx_prefill += [(starts[r], r, q_len, context) for r in rows]
             continue
         if use_kernel and seq_len <= KERNEL_PREFILL_MAX_LEN:
@@ -348,7 +353,7 @@ def build_plan(meta: AttentionMetadata, block_size: int, num_kv_heads: int = 1,
         )
         return _StepPlan(decode=[], prefill=prefill, all_tokens_decode_in_order=False, kernel_rows=kernel,
                          amx_prefill=amx_prefill,
-                         amx_prefill_rows=cpu_amx_prefill.prefill_rows(amx_prefill) if amx_prefill else None)
+                         amx_prefill_rows=amx_prefill_attention.prefill_rows(amx_prefill) if amx_prefill else None)
 
     decode: list[_DecodeBucket] = []
     decode_rows.sort(key=lambda r: seq_lens[r])

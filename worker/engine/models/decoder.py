@@ -17,13 +17,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.engine import cpu_gemm
 from tokenmill.engine.attention import AttentionBackend, AttentionMetadata, OutputRows
-from tokenmill.engine.cpu_decode_layers import DecodeLayers
-from tokenmill.engine.greedy_head import GreedyScreen
 from tokenmill.engine.layers import RotaryEmbedding, rms_norm
 from tokenmill.engine.model_config import CheckpointError, ModelConfig
 from tokenmill.engine.models.ops import RopeInputs, TorchOps, TritonOps, make_ops
+from tokenmill.kernels.cpu import gemm
+from tokenmill.kernels.cpu.decode_layers import DecodeLayers
+from tokenmill.kernels.cpu.greedy_screen import GreedyScreen
+from tokenmill.kernels.cpu.paths import CpuPaths, default_cpu_paths
 
 
 def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -50,15 +51,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_norm = _param(h, dtype=dt, device=device)
         self.gate_up_weight = _param(2 * cfg.intermediate_size, h, dtype=dt, device=device)
         self.down_weight = _param(h, cfg.intermediate_size, dtype=dt, device=device)
-        # oneDNN copies of the projections, where pack_projections() chose them (cpu_gemm.py).
-        self._packed: dict[str, cpu_gemm.PackedWeight] | None = None
+        # oneDNN copies of the projections, where pack_projections() chose them (kernels/cpu/gemm.py).
+        self._packed: dict[str, gemm.PackedWeight] | None = None
 
     _PROJECTIONS = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
 
     def pack_projections(self, kind: str = "onednn") -> None:
-        """Run the four projections on oneDNN or the AMX kernel ("onednn" / "amx", cpu_gemm.py) from
-        now on, each weight packed now, not in a step."""
-        self._packed = {name: cpu_gemm.PackedWeight(getattr(self, name), kind) for name in self._PROJECTIONS}
+        """Run the four projections on oneDNN or the AMX kernel ("onednn" / "amx", kernels/cpu/gemm.py)
+        from now on, each weight packed now, not in a step."""
+        self._packed = {name: gemm.PackedWeight(getattr(self, name), kind) for name in self._PROJECTIONS}
         for weight in self._packed.values():
             weight.packed()
 
@@ -91,7 +92,7 @@ class DecoderLayer(nn.Module):
     def _mlp(self, x: torch.Tensor, ops: TorchOps | TritonOps) -> torch.Tensor:
         gate_up = self._linear(x, "gate_up_weight")
         if self._packed is not None and self._packed["down_weight"].kind == "amx":
-            # SiLU x mul folded into the down projection's split of its rows (cpu_amx_gemm.py).
+            # SiLU x mul folded into the down projection's split of its rows (kernels/cpu/amx_gemm.py).
             return self._packed["down_weight"].packed().linear_silu_mul(gate_up)
         return self._linear(ops.silu_and_mul(gate_up), "down_weight")
 
@@ -125,12 +126,17 @@ class DecoderForCausalLM(nn.Module):
     """model(input_ids[T], positions[T], meta, kv_caches) -> hidden [T, hidden_size]."""
 
     def __init__(self, cfg: ModelConfig, attention_backend: AttentionBackend, device: torch.device | str = "cpu",
-                 layer_ops: str = "auto"):
-        """layer_ops: "auto" (fused Triton kernels on CUDA, torch elsewhere), "torch" or "triton"."""
+                 layer_ops: str = "auto", cpu_paths: CpuPaths | None = None):
+        """layer_ops: "auto" (fused Triton kernels on CUDA, torch elsewhere), "torch" or "triton".
+        cpu_paths: the CPU kernels a float32 CPU model takes (default on the CPU: every one that runs
+        here; elsewhere none)."""
         super().__init__()
         device = torch.device(device)
         self.config = cfg
         self.attention_backend = attention_backend
+        if cpu_paths is None:
+            cpu_paths = default_cpu_paths() if device.type == "cpu" else CpuPaths()
+        self.cpu_paths = cpu_paths
         dt = cfg.dtype
         self.embed_tokens = _param(cfg.vocab_size, cfg.hidden_size, dtype=dt, device=device)
         self.layers = nn.ModuleList(DecoderLayer(cfg, device) for _ in range(cfg.num_layers))
@@ -139,7 +145,7 @@ class DecoderForCausalLM(nn.Module):
             self.embed_tokens if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size, dtype=dt, device=device)
         )
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope, cfg.max_model_len, device)
-        self.ops = make_ops(layer_ops, self.rotary, cfg.max_model_len, device)
+        self.ops = make_ops(layer_ops, self.rotary, cfg.max_model_len, device, c_elementwise=cpu_paths.elementwise)
         # A pure decode step's layers in one C call, where pack_for_cpu() finds that they can be.
         self._decode_layers: DecodeLayers | None = None
 
@@ -177,19 +183,20 @@ class DecoderForCausalLM(nn.Module):
         return self.ops.add_rms_norm(hidden, residual, self.norm, self.config.rms_norm_eps)[0]
 
     def pack_for_cpu(self) -> None:
-        """On a float32 CPU model, pack the LM head for oneDNN now (worker/engine/cpu_gemm.py) and build
-        its greedy screen (worker/engine/greedy_head.py), not in the first step; from hidden size 512
-        the layers' projections go to the AMX kernel where the CPU has one, else to oneDNN
-        (cpu_gemm.layer_gemm). With every projection on the AMX kernel, a pure decode step's layers
-        then run in one C call (worker/engine/cpu_decode_layers.py)."""
+        """On a float32 CPU model, take the CPU paths of self.cpu_paths now, not in the first step: the
+        LM head packed for oneDNN (kernels/cpu/gemm.py) and its greedy screen built
+        (kernels/cpu/greedy_screen.py); the layers' projections on the AMX kernel, or oneDNN, or MKL
+        (CpuPaths.layer_gemm); with every projection on the AMX kernel, a pure decode step's layers in
+        one C call (kernels/cpu/decode_layers.py)."""
         if self.lm_head.device.type != "cpu" or self.lm_head.dtype != torch.float32:
             return
+        self._lm_head_packed()
         self._greedy_screen()
-        kind = cpu_gemm.layer_gemm(self.config.hidden_size)
+        kind = self.cpu_paths.layer_gemm(self.config.hidden_size)
         if kind != "mkl":
             for layer in self.layers:
                 layer.pack_projections(kind)
-        if isinstance(self.ops, TorchOps):
+        if isinstance(self.ops, TorchOps) and self.cpu_paths.decode_layers_in_c:
             self._decode_layers = DecodeLayers.for_model(self.layers)
 
     @torch.inference_mode()
@@ -203,6 +210,8 @@ class DecoderForCausalLM(nn.Module):
         return None if screen is None else screen.greedy_ids(hidden)
 
     def _greedy_screen(self) -> GreedyScreen | None:
+        if not self.cpu_paths.greedy_screen:
+            return None
         packed = self._lm_head_packed()
         return self._lm_head_copy("_lm_head_screen", lambda w: GreedyScreen.build(w, packed))
 
@@ -216,7 +225,7 @@ class DecoderForCausalLM(nn.Module):
         if hidden.device.type == "cpu" and self.lm_head.dtype == torch.float32:
             packed = self._lm_head_packed()
             if packed is not None:
-                return cpu_gemm.linear(hidden, self.lm_head, None, packed)
+                return gemm.linear(hidden, self.lm_head, None, packed)
             self._lm_head_transposed()  # built on the first call (e.g. a warm-up), not in a big step
         if self._use_transposed_lm_head(hidden):
             # Without oneDNN: on the CPU the LM head is about half of a decode step's FLOPs. A
@@ -251,8 +260,10 @@ class DecoderForCausalLM(nn.Module):
         return cached[1]
 
     def _lm_head_packed(self) -> torch.Tensor | None:
-        """oneDNN's packed lm_head (None without oneDNN)."""
-        return self._lm_head_copy("_lm_head_oned", cpu_gemm.pack)
+        """oneDNN's packed lm_head (None without oneDNN, or where the engine keeps it off oneDNN)."""
+        if not self.cpu_paths.onednn_linear:
+            return None
+        return self._lm_head_copy("_lm_head_oned", gemm.pack)
 
     def _lm_head_transposed(self) -> torch.Tensor:
         """A contiguous [hidden, vocab] copy of lm_head."""

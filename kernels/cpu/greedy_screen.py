@@ -32,8 +32,8 @@ A row whose hidden state or screen is not finite, or that keeps more than MAX_CA
 sends its step to the full head; a screen that does so in more than a quarter of its first steps (a
 trained head whose bound is too loose to narrow it) turns itself off. Only plain greedy rows come
 here (no logprobs, penalties, masks or min_tokens: the caller checks); they need the argmax only.
-Off with TOKENMILL_GREEDY_SCREEN=0, and wherever oneDNN has no bfloat16 GEMM or the C kernel cannot
-be built: then every row takes the full head.
+Off with the engine's `greedy_screen` setting (paths.py), and wherever oneDNN has no bfloat16 GEMM or
+the C kernel (csrc/greedy_screen.c) cannot be built: then every row takes the full head.
 """
 
 from __future__ import annotations
@@ -43,173 +43,10 @@ import logging
 
 import torch
 
-from tokenmill.engine import cpu_gemm
-from tokenmill.engine.c_build import OnDemandLibrary
-from tokenmill.engine.switches import switch
+from tokenmill.kernels.cpu import gemm
+from tokenmill.kernels.cpu.build import OnDemandLibrary
 
 log = logging.getLogger(__name__)
-
-DISABLE_ENV = "TOKENMILL_GREEDY_SCREEN"  # "0": greedy rows take the full float32 LM head
-
-_SOURCE = r"""
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
-static inline float bf16_to_f32(uint16_t b) {
-    const uint32_t u = (uint32_t)b << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-#if defined(__AVX512F__)
-/* 16 bfloat16 values as float32: a bfloat16 is the top half of a float32. */
-static inline __m512 bf16x16(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
-#endif
-
-/* The largest of V bfloat16 values (NaN ignored; the caller rejects a row whose norm is not finite). */
-static inline float row_max(const uint16_t *s, int64_t V) {
-    float m = -INFINITY;
-    int64_t j = 0;
-#if defined(__AVX512F__)
-    __m512 mv = _mm512_set1_ps(-INFINITY);
-    for (; j + 16 <= V; j += 16) mv = _mm512_max_ps(mv, bf16x16(s + j));
-    m = _mm512_reduce_max_ps(mv);
-#endif
-    for (; j < V; ++j) {
-        const float x = bf16_to_f32(s[j]);
-        m = x > m ? x : m;
-    }
-    return m;
-}
-
-/* The first j with s[j] == m, m one of the V values: a scalar search would walk half the vocabulary
-   on average, as long as the max itself. */
-static inline int64_t first_equal(const uint16_t *s, int64_t V, float m) {
-    int64_t j = 0;
-#if defined(__AVX512F__)
-    const __m512 mv = _mm512_set1_ps(m);
-    for (; j + 16 <= V; j += 16) {
-        const __mmask16 eq = _mm512_cmp_ps_mask(bf16x16(s + j), mv, _CMP_EQ_OQ);
-        if (eq) return j + __builtin_ctz(eq);
-    }
-#endif
-    while (bf16_to_f32(s[j]) != m) ++j;
-    return j;
-}
-
-/* The float32 logit as oneDNN's float32 GEMM computes it: fused multiply-adds in order of k within
-   each block of `kb` (oneDNN's K blocking, found at load: GreedyScreen.build), the blocks' sums added in
-   order. */
-static inline float logit_f32(const float *h, const float *w, int64_t K, int64_t kb) {
-    float total = 0.f;
-    for (int64_t k0 = 0; k0 < K; k0 += kb) {
-        const int64_t end = k0 + kb < K ? k0 + kb : K;
-        float acc = 0.f;
-        for (int64_t k = k0; k < end; ++k) acc = fmaf(h[k], w[k], acc);
-        total = k0 == 0 ? acc : total + acc;
-    }
-    return total;
-}
-
-/* out[i] = logit_f32 of hidden row rows[i] and weight row cols[i] (used to find kb at load). */
-void logits_at(const float *hidden, int64_t h_stride, const float *weight, int64_t K, int64_t kb,
-               const int64_t *rows, const int64_t *cols, int64_t n, float *out)
-{
-    for (int64_t i = 0; i < n; ++i) out[i] = logit_f32(hidden + rows[i] * h_stride, weight + cols[i] * K, K, kb);
-}
-
-/* bfloat16 of x as torch rounds it (to nearest, ties to even), back as a float32; x finite. */
-static inline float round_bf16(float x) {
-    uint32_t u;
-    memcpy(&u, &x, sizeof u);
-    u = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-/* Row r: screen[r] holds V bfloat16 logits. For each column j the bound of the module docstring,
-       eps_j = A p[j] + B t[j] + D |screen_j| + E,
-   with A = |h - bf16(h)| + gamma |bf16(h)|, B = |h|, E = abs_term (|h| + w_max + 1) from the row
-   (computed here in double) and p[j] = |bf16(w_j)|, t[j] = |w_j - bf16(w_j)| + gamma |w_j| from the
-   column (at load, rounded up). ids[r] = the argmax of the float32 logits of the candidates, the
-   columns with screen_j + eps_j >= screen_m - eps_m (m: the screen's own argmax), lowest id on
-   ties; cand[r] = their number, or -1 when the row's hidden state or screen is not finite or it
-   has more than max_cand candidates (the caller then takes the full head for it). */
-void greedy_from_screen(const uint16_t *screen, int64_t screen_stride, const float *hidden, int64_t h_stride,
-                        const float *weight, int64_t V, int64_t K, int64_t kb, const float *p, const float *t,
-                        double p_max, double t_max, double gamma, double d_rel, double abs_term, double w_max,
-                        int64_t max_cand, int64_t n, int64_t *ids, int64_t *cand)
-{
-    #pragma omp parallel for schedule(static)
-    for (int64_t r = 0; r < n; ++r) {
-        const uint16_t *s = screen + r * screen_stride;
-        const float *h = hidden + r * h_stride;
-        double sq = 0.0, sq_b = 0.0, sq_d = 0.0;
-        for (int64_t k = 0; k < K; ++k) {
-            sq += (double)h[k] * (double)h[k];
-            if (!isfinite(h[k])) { sq = INFINITY; break; }
-            const float hb = round_bf16(h[k]), dh = h[k] - hb; /* exact: hb is within a factor 2 of h */
-            sq_b += (double)hb * (double)hb;
-            sq_d += (double)dh * (double)dh;
-        }
-        const double norm = sqrt(sq);
-        const float m = row_max(s, V);
-        /* |logit| <= norm * w_max: below 1e37 no sum can overflow, so no screen value is NaN */
-        if (!(norm * w_max < 1e37) || !isfinite(m)) { ids[r] = -1; cand[r] = -1; continue; }
-        const double slack = 1.0 + 1e-9; /* the rounding of the norms and of eps itself */
-        const double A = (sqrt(sq_d) + gamma * sqrt(sq_b)) * slack, B = norm * slack;
-        const double E = abs_term * (norm + w_max + 1.0) * slack, D = d_rel * slack;
-        const int64_t jm = first_equal(s, V, m);
-        const double eps_m = A * p[jm] + B * t[jm] + D * fabs((double)m) + E;
-        const double floor_t = (double)m - eps_m; /* the best logit is at least this */
-        /* Only a column with screen_j >= pre can reach floor_t (eps_j at most the largest column's). */
-        const double x = floor_t - (A * p_max + B * t_max + E);
-        const float pre = nextafterf((float)(x >= 0 ? x / (1.0 + D) : x / (1.0 - D)), -INFINITY);
-        int64_t best_id = -1, count = 0;
-        float best = -INFINITY;
-        int64_t j = 0;
-#if defined(__AVX512F__)
-        const __m512 pre_v = _mm512_set1_ps(pre);
-        for (; j + 16 <= V && count <= max_cand; j += 16) {
-            __mmask16 hit = _mm512_cmp_ps_mask(bf16x16(s + j), pre_v, _CMP_GE_OQ);
-            while (hit) {
-                const int64_t c = j + __builtin_ctz(hit);
-                hit &= hit - 1;
-                const double sc = (double)bf16_to_f32(s[c]);
-                if (sc + A * p[c] + B * t[c] + D * fabs(sc) + E < floor_t) continue;
-                const float v = logit_f32(h, weight + c * K, K, kb);
-                ++count;
-                if (best_id < 0 || v > best) { best = v; best_id = c; } /* ascending ids: ties keep the lowest */
-            }
-        }
-#endif
-        for (; j < V && count <= max_cand; ++j) {
-            const float sf = bf16_to_f32(s[j]);
-            if (!(sf >= pre)) continue;
-            const double sc = (double)sf;
-            if (sc + A * p[j] + B * t[j] + D * fabs(sc) + E < floor_t) continue;
-            const float v = logit_f32(h, weight + j * K, K, kb);
-            ++count;
-            if (best_id < 0 || v > best) { best = v; best_id = j; }
-        }
-        if (count > max_cand) { ids[r] = -1; cand[r] = -1; continue; } /* a loose screen: the full head is cheaper */
-        ids[r] = best_id;
-        cand[r] = count;
-    }
-}
-"""
-
-
-def _switched_off() -> bool:
-    return switch(DISABLE_ENV) is False
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -221,11 +58,12 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.logits_at.restype = None
 
 
-_library = OnDemandLibrary("greedy_screen", _SOURCE, "greedy LM-head screen", _declare)
+_library = OnDemandLibrary("greedy_screen.c", "greedy LM-head screen", _declare)
 
 
-def _load() -> ctypes.CDLL | None:
-    return _library.get()
+def available() -> bool:
+    """True where a screen can be built here: oneDNN's bfloat16 GEMM and the C kernel (checked once)."""
+    return bf16_gemm_supported() and _library.get() is not None
 
 
 def bf16_gemm_supported() -> bool:
@@ -293,12 +131,13 @@ class GreedyScreen:
 
     @classmethod
     def build(cls, weight: torch.Tensor, packed_f32: torch.Tensor | None) -> GreedyScreen | None:
-        """The screen of the head `weight` whose full float32 GEMM runs on `packed_f32` (cpu_gemm),
-        or None where it does not apply (see the module docstring)."""
-        if (_switched_off() or packed_f32 is None or weight.device.type != "cpu" or weight.dtype != torch.float32
+        """The screen of the head `weight` whose full float32 GEMM runs on `packed_f32` (gemm.pack),
+        or None where it does not apply (see the module docstring). The caller asks only where the
+        engine takes this path (paths.CpuPaths.greedy_screen)."""
+        if (packed_f32 is None or weight.device.type != "cpu" or weight.dtype != torch.float32
                 or weight.dim() != 2 or not bf16_gemm_supported()):
             return None
-        lib = _load()
+        lib = _library.get()
         if lib is None:
             return None
         with torch.inference_mode():
@@ -309,7 +148,7 @@ class GreedyScreen:
             if k_block is None:
                 log.info("greedy screen off: no K blocking reproduces this LM head's float32 logits")
                 return None
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight.to(torch.bfloat16), cpu_gemm.PACK_ROWS_HINT)
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight.to(torch.bfloat16), gemm.PACK_ROWS_HINT)
             _warm_every_row_count(weight, packed)
         return cls(weight, packed, k_block, lib)
 
@@ -323,7 +162,7 @@ class GreedyScreen:
         ids = torch.empty(n, dtype=torch.int64)
         if n == 0:
             return ids
-        screen = cpu_gemm.linear(hidden.to(torch.bfloat16), self.weight, None, self.packed).contiguous()
+        screen = gemm.linear(hidden.to(torch.bfloat16), self.weight, None, self.packed).contiguous()
         cand = torch.empty(n, dtype=torch.int64)
         self._lib.greedy_from_screen(
             screen.data_ptr(), screen.stride(0), hidden.data_ptr(), hidden.stride(0),
@@ -353,16 +192,16 @@ class GreedyScreen:
 
 
 def _warm_every_row_count(weight: torch.Tensor, packed_bf16: torch.Tensor) -> None:
-    """The screen's GEMM once at each row count a step can give it (cpu_gemm.row_counts), at load.
+    """The screen's GEMM once at each row count a step can give it (gemm.row_counts), at load.
 
     Why: oneDNN builds its kernel for a bfloat16 product the first time it meets a row count, and
     that first call maps fresh memory. A batch that grows through the 32 counts paid 8-12k page
     faults for it in the first batch after start, only: 0.2-0.5 s of a 2-thread tiny-llama `mixed`
     run, where both threads wait on the kernel's page-table work, and little of a 1-thread run, so
     it showed as worse scaling. All 32 at tiny-llama's head take about 45 ms, once per model."""
-    x = torch.zeros(cpu_gemm.MAX_ROWS, weight.shape[1], dtype=torch.bfloat16)
-    for rows in cpu_gemm.row_counts():
-        cpu_gemm.linear(x[:rows], weight, None, packed_bf16)
+    x = torch.zeros(gemm.MAX_ROWS, weight.shape[1], dtype=torch.bfloat16)
+    for rows in gemm.row_counts():
+        gemm.linear(x[:rows], weight, None, packed_bf16)
 
 
 def _find_k_block(lib: ctypes.CDLL, weight: torch.Tensor, packed_f32: torch.Tensor) -> int | None:
@@ -373,8 +212,8 @@ def _find_k_block(lib: ctypes.CDLL, weight: torch.Tensor, packed_f32: torch.Tens
     probe = torch.randn(_PROBE_ROWS, k, generator=gen)
     cols = torch.randint(0, vocab, (_PROBE_COLS,), generator=gen)
     rows = torch.arange(_PROBE_COLS) % _PROBE_ROWS
-    full = cpu_gemm.linear(probe, weight, None, packed_f32)
-    full_many = cpu_gemm.linear(probe.repeat(cpu_gemm.MAX_ROWS // _PROBE_ROWS, 1), weight, None, packed_f32)
+    full = gemm.linear(probe, weight, None, packed_f32)
+    full_many = gemm.linear(probe.repeat(gemm.MAX_ROWS // _PROBE_ROWS, 1), weight, None, packed_f32)
     if not torch.equal(full, full_many[:_PROBE_ROWS]):
         return None
     want = full[rows, cols].contiguous()

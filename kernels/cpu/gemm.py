@@ -16,7 +16,7 @@ SmolLM2's (hidden 576, intermediate 1536) oneDNN, padded, is 1.09-1.25x MKL on o
 1.06-1.32x on two at 37-2,048 rows, and the layers' GEMMs are two thirds of its step: from a hidden
 size of 512 (LAYERS_MIN_HIDDEN) the projections go to oneDNN too. This is also vLLM's CPU path.
 On a CPU with AMX tiles every model's projections go instead to the split-bfloat16 kernel of
-cpu_amx_gemm.py (float32's accuracy, faster than both); layer_gemm() decides.
+amx_gemm.py (float32's accuracy, faster than both); paths.CpuPaths.layer_gemm() decides.
 
 A row's logits are the same bits at any row count and any thread count (MKL's F.linear changes its
 summation order with the row count), and within float32 rounding of F.linear (tests/test_cpu_gemm.py).
@@ -27,8 +27,9 @@ worker with every GEMM on oneDNN, unpadded, grew by 40%. So a GEMM runs at one o
 padded to the next of them (the padding rows, computed and dropped, are at most 3 rows or an
 eighth), more rows go in pieces of 256. About 21 MB at most, and then no growth.
 
-Off with TOKENMILL_ONEDNN_LINEAR=0 (then the LM head's MKL path and F.linear everywhere), or where
-torch has no oneDNN. TOKENMILL_ONEDNN_LAYERS=0 or 1 forces the layers' choice either way.
+Off with the engine's `onednn_linear` setting (then the LM head's MKL path and F.linear everywhere),
+or where torch has no oneDNN; its `onednn_layers` setting forces the layers' choice either way
+(paths.py).
 """
 
 from __future__ import annotations
@@ -39,13 +40,10 @@ import threading
 import torch
 import torch.nn.functional as F
 
-from tokenmill.engine import cpu_amx_gemm
-from tokenmill.engine.switches import switch
+from tokenmill.kernels.cpu import amx_gemm
 
 log = logging.getLogger(__name__)
 
-DISABLE_ENV = "TOKENMILL_ONEDNN_LINEAR"  # "0": the LM head stays on MKL
-LAYERS_ENV = "TOKENMILL_ONEDNN_LAYERS"  # "0" / "1": the layers' projections on MKL / oneDNN at any size
 # The smallest hidden size whose layer projections run on oneDNN (see the module docstring).
 LAYERS_MIN_HIDDEN = 512
 
@@ -57,10 +55,6 @@ PACK_ROWS_HINT = 256
 
 _lock = threading.Lock()
 _available: bool | None = None
-
-
-def _switched_off() -> bool:
-    return switch(DISABLE_ENV) is False
 
 
 def _self_check() -> bool:
@@ -79,8 +73,8 @@ def _self_check() -> bool:
 def available() -> bool:
     """True when float32 CPU weights can be packed for oneDNN (checked once per process)."""
     global _available
-    if _switched_off():
-        return False
+    if _available is not None:  # settled: asked at every pack, so no lock then
+        return _available
     with _lock:
         if _available is None:
             try:
@@ -99,29 +93,6 @@ def pack(weight: torch.Tensor) -> torch.Tensor | None:
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_ROWS_HINT)
 
 
-def layers_on_onednn(hidden_size: int) -> bool:
-    """Whether a float32 CPU model of this hidden size runs its layers' projections on oneDNN."""
-    forced = switch(LAYERS_ENV)
-    wanted = hidden_size >= LAYERS_MIN_HIDDEN if forced is None else forced
-    return wanted and available()
-
-
-def layer_gemm(hidden_size: int) -> str:
-    """Which GEMM a float32 CPU model's layer projections use: "amx", "onednn" or "mkl".
-
-    Where the CPU has AMX, every size takes the split kernel (cpu_amx_gemm.py): it is faster than
-    both others at every shape measured, and its logits are closer to float64's than MKL's, with
-    the same bits at any batch size (MKL's change with the row count). tiny-llama's `mixed` set has
-    a step whose top two logits are 3.8e-7 apart in float64: MKL inside a batch picked the other
-    one, the AMX kernel the right one, as transformers and vLLM do. Without AMX the size rule (or
-    TOKENMILL_ONEDNN_LAYERS) picks oneDNN or MKL. TOKENMILL_AMX_GEMM=0 turns AMX off."""
-    if cpu_amx_gemm.forced() is not False and cpu_amx_gemm.available():
-        return "amx"
-    forced = switch(LAYERS_ENV)
-    wanted = hidden_size >= LAYERS_MIN_HIDDEN if forced is None else forced
-    return "onednn" if wanted and available() else "mkl"
-
-
 class PackedWeight:
     """A float32 CPU weight and its copy for oneDNN or for the AMX kernel, made again when the weight
     is written in place (a reload)."""
@@ -134,18 +105,18 @@ class PackedWeight:
         self.weight = weight
         self.kind = kind
         self._key: tuple[int, int] | None = None
-        self._packed: torch.Tensor | cpu_amx_gemm.SplitWeight | None = None
+        self._packed: torch.Tensor | amx_gemm.SplitWeight | None = None
 
-    def packed(self) -> torch.Tensor | cpu_amx_gemm.SplitWeight | None:
+    def packed(self) -> torch.Tensor | amx_gemm.SplitWeight | None:
         key = (self.weight.data_ptr(), self.weight._version)
         if key != self._key:
-            build = cpu_amx_gemm.SplitWeight if self.kind == "amx" else pack
+            build = amx_gemm.SplitWeight if self.kind == "amx" else pack
             self._packed, self._key = build(self.weight), key
         return self._packed
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         packed = self.packed()
-        if isinstance(packed, cpu_amx_gemm.SplitWeight):
+        if isinstance(packed, amx_gemm.SplitWeight):
             return packed.linear(x, bias)
         return linear(x, self.weight, bias, packed)
 

@@ -14,7 +14,7 @@ Same bits as the Python path: the same kernels get the same arguments in the sam
 against it: the final hidden states and the K/V written, bit for bit, at 1 and 2 threads). Only a pure decode step of a float32
 model whose projections all run on the AMX kernel, without q/k norms, with the C element-wise
 kernels and the C decode attention, takes this path; every other step keeps the Python layers.
-Off with TOKENMILL_DECODE_LAYERS_IN_C=0.
+The engine's `decode_layers_in_c` setting turns it off (paths.py). The loop is csrc/decode_layers.c.
 """
 
 from __future__ import annotations
@@ -24,105 +24,13 @@ import logging
 
 import torch
 
-from tokenmill.engine import cpu_amx_gemm, cpu_elementwise
-from tokenmill.engine.attention import cpu_decode_kernel
-from tokenmill.engine.c_build import OnDemandLibrary
-from tokenmill.engine.switches import switch
+from tokenmill.kernels.cpu import amx_gemm, decode_attention, elementwise
+from tokenmill.kernels.cpu.build import OnDemandLibrary
 
 log = logging.getLogger(__name__)
 
-DISABLE_ENV = "TOKENMILL_DECODE_LAYERS_IN_C"  # "0": decode steps run the Python layers
 
-_SOURCE = r"""
-#include <stdint.h>
-
-typedef void (*norm_fn)(const float *, int64_t, const float *, int64_t, const float *, float, int64_t, int64_t,
-                        int64_t, float *, float *, int64_t);
-typedef void (*rotary_fn)(const float *, int64_t, int64_t, int64_t, int64_t, const float *, const float *, int64_t,
-                          const int64_t *, float *, float *, float *, int64_t);
-typedef void (*gemm_fn)(const float *, int64_t, int64_t, int64_t, const uint16_t *, int64_t, int64_t, int64_t,
-                        const float *, float *, uint16_t *, float *, int64_t, int64_t, int64_t, int64_t, int64_t,
-                        int64_t);
-typedef int (*attention_fn)(const float *, int64_t, const float *, const float *, const int32_t *, int64_t,
-                            const int64_t *, const int64_t *, const int32_t *, int64_t, float *, int64_t, int64_t,
-                            int64_t, int64_t, int64_t, float, int64_t, int64_t);
-
-/* One projection: its shape and its split over the threads (SplitWeight.plan). */
-typedef struct {
-    int64_t n, n_pad, k, k_pad, pass_blocks, slab_blocks, col_major, shared_split;
-} gemm_spec;
-
-/* One layer's weights and cache. */
-typedef struct {
-    const float *input_norm, *post_norm, *qkv_bias, *o_bias;
-    const uint16_t *qkv, *o, *gate_up, *down;
-    float *key_cache, *value_cache;
-} layer_ptrs;
-
-/* The step: sizes, thread counts, the rotary and attention inputs, buffers, the kernels. */
-typedef struct {
-    int64_t m, hidden, heads, kv_heads, head_dim, block_size, intermediate;
-    int64_t lanes, norm_threads, rotary_threads, gemm_threads, attention_threads;
-    double eps, scale;
-    const float *cos_t, *sin_t;
-    const int64_t *slots;
-    const int32_t *block_tables;
-    int64_t table_stride;
-    const int64_t *token_index, *table_row;
-    const int32_t *seq_lens;
-    int64_t max_len;
-    gemm_spec qkv, o, gate_up, down;
-    uint16_t *split_ws;
-    float *acc_ws;
-    float *hidden_in, *normed, *res_a, *res_b, *qkv_out, *q, *attn_out, *o_out, *gate_up_out, *down_out;
-    void *norm, *rotary, *gemm, *attention;
-} step_t;
-
-static void project(const step_t *s, const gemm_spec *g, const float *x, int64_t x_stride, const uint16_t *w,
-                    const float *bias, float *y, int64_t silu_mul) {
-    ((gemm_fn)s->gemm)(x, x_stride, s->m, g->k, w, g->n, g->n_pad, g->k_pad, bias, y, s->split_ws, s->acc_ws,
-                       g->pass_blocks, g->slab_blocks, s->gemm_threads, g->col_major, g->shared_split, silu_mul);
-}
-
-/* The residual buffer that `res` is not (the first layer's residual is its input, not a buffer). */
-static float *other(const step_t *s, const float *res) { return res == s->res_a ? s->res_b : s->res_a; }
-
-/* Every layer in order; the last layer's MLP output is in down_out. Returns which buffer holds the
-   residual to add before the final norm (0: res_a, 1: res_b), or -1 when the attention kernel could
-   not allocate its scratch (the step fails, as the Python path's would). */
-int decode_layers(const step_t *s, const layer_ptrs *layers, int64_t n_layers) {
-    const int64_t m = s->m, h = s->hidden, q_size = s->heads * s->head_dim;
-    const int64_t qkv_width = (s->heads + 2 * s->kv_heads) * s->head_dim;
-    const float eps = (float)s->eps, scale = (float)s->scale;
-    const norm_fn norm = (norm_fn)s->norm;
-    float *res_in = 0; /* no residual before the first layer */
-    for (int64_t l = 0; l < n_layers; ++l) {
-        const layer_ptrs *L = &layers[l];
-        const float *x = l == 0 ? s->hidden_in : s->down_out;
-        /* As the Python path: the first layer's residual is its input itself, written in place. */
-        float *res_out = l == 0 ? s->hidden_in : other(s, res_in);
-        norm(x, h, res_in, res_in ? h : 0, L->input_norm, eps, m, h, s->lanes, s->normed, res_out, s->norm_threads);
-        res_in = res_out;
-        project(s, &s->qkv, s->normed, h, L->qkv, L->qkv_bias, s->qkv_out, 0);
-        ((rotary_fn)s->rotary)(s->qkv_out, qkv_width, s->heads, s->kv_heads, s->head_dim, s->cos_t, s->sin_t, m,
-                               s->slots, s->q, L->key_cache, L->value_cache, s->rotary_threads);
-        if (((attention_fn)s->attention)(s->q, q_size, L->key_cache, L->value_cache, s->block_tables,
-                                         s->table_stride, s->token_index, s->table_row, s->seq_lens, m,
-                                         s->attn_out, q_size, s->heads, s->kv_heads, s->head_dim, s->block_size,
-                                         scale, s->max_len, s->attention_threads) != 0)
-            return -1;
-        project(s, &s->o, s->attn_out, q_size, L->o, L->o_bias, s->o_out, 0);
-        res_out = other(s, res_in);
-        norm(s->o_out, h, res_in, h, L->post_norm, eps, m, h, s->lanes, s->normed, res_out, s->norm_threads);
-        res_in = res_out;
-        project(s, &s->gate_up, s->normed, h, L->gate_up, 0, s->gate_up_out, 0);
-        project(s, &s->down, s->gate_up_out, 2 * s->intermediate, L->down, 0, s->down_out, 1);
-    }
-    return res_in == s->res_a ? 0 : 1;
-}
-"""
-
-
+# The C structures of csrc/decode_layers.c, field for field.
 class _GemmSpec(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int64) for name in
                 ("n", "n_pad", "k", "k_pad", "pass_blocks", "slab_blocks", "col_major", "shared_split")]
@@ -156,7 +64,12 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.decode_layers.restype = ctypes.c_int
 
 
-_library = OnDemandLibrary("cpu_decode_layers", _SOURCE, "CPU decode-layers driver", _declare)
+_library = OnDemandLibrary("decode_layers.c", "CPU decode-layers driver", _declare)
+
+
+def available() -> bool:
+    """True where the driver's own loop is built (a C compiler; checked once per process)."""
+    return _library.get() is not None
 
 
 def _address(function) -> int:
@@ -181,9 +94,10 @@ class DecodeLayers:
 
     @classmethod
     def for_model(cls, layers) -> DecodeLayers | None:
-        """The driver for these DecoderLayers, or None: switched off, a library missing, a layer whose
-        projections are not all on the AMX kernel, or q/k norms (Qwen3 keeps its two calls)."""
-        if switch(DISABLE_ENV) is False or not len(layers):
+        """The driver for these DecoderLayers, or None: a library missing, a layer whose projections are
+        not all on the AMX kernel, or q/k norms (Qwen3 keeps its two calls). The caller asks only
+        where the engine takes this path (paths.CpuPaths.decode_layers_in_c)."""
+        if not len(layers):
             return None
         for layer in layers:
             packed = layer._packed
@@ -191,11 +105,11 @@ class DecodeLayers:
                 return None
             if not all(_plain_bias(b) for b in (layer.qkv_bias, layer.o_bias)):
                 return None  # the kernel reads a bias as float32 in place
-        elementwise, attention = cpu_elementwise.library(), cpu_decode_kernel.load()
-        gemm, lib = cpu_amx_gemm.library(), _library.get()
-        if elementwise is None or attention is None or gemm is None or lib is None:
+        norms, attention = elementwise.library(), decode_attention.load()
+        gemm, lib = amx_gemm.library(), _library.get()
+        if norms is None or attention is None or gemm is None or lib is None:
             return None
-        kernels = {"norm": _address(elementwise.add_rms_norm_f32), "rotary": _address(elementwise.rotary_write_kv_f32),
+        kernels = {"norm": _address(norms.add_rms_norm_f32), "rotary": _address(norms.rotary_write_kv_f32),
                    "gemm": _address(gemm.amx_gemm), "attention": _address(attention.paged_decode_attention_f32)}
         return cls(list(layers), lib, kernels)
 
@@ -216,7 +130,7 @@ class DecodeLayers:
         if key_cache.dim() != 4 or key_cache.shape[2:] != (self.kv_heads, self.head_dim):
             return None
         rows = backend.decode_kernel_rows(meta, key_cache, value_cache, self.head_dim)
-        lanes = cpu_elementwise.norm_lanes(h)
+        lanes = elementwise.norm_lanes(h)
         if rows is None or lanes is None:
             return None
         layer_ptrs = (_LayerPtrs * len(self._layers))()
@@ -244,7 +158,7 @@ class DecodeLayers:
             setattr(step, name, _GemmSpec(sw.n, sw.n_pad, sw.k, sw.k_pad, plan.pass_blocks, plan.slab_blocks,
                                           plan.col_major, plan.shared_split))
             split_elems, acc_elems = max(split_elems, plan.split_elems), max(acc_elems, plan.acc_elems)
-        split_ws, acc_ws = cpu_amx_gemm.workspace(split_elems, acc_elems)
+        split_ws, acc_ws = amx_gemm.workspace(split_elems, acc_elems)
 
         qkv_width = (self.heads + 2 * self.kv_heads) * self.head_dim
         q_size = self.heads * self.head_dim
@@ -256,8 +170,8 @@ class DecodeLayers:
         }
         step.m, step.hidden, step.heads, step.kv_heads, step.head_dim = m, h, self.heads, self.kv_heads, self.head_dim
         step.block_size, step.intermediate, step.lanes = key_cache.shape[1], self.intermediate, lanes
-        step.norm_threads = cpu_elementwise.threads_for(m * h)
-        step.rotary_threads = cpu_elementwise.threads_for(m * qkv_width)
+        step.norm_threads = elementwise.threads_for(m * h)
+        step.rotary_threads = elementwise.threads_for(m * qkv_width)
         step.gemm_threads = step.attention_threads = threads
         step.eps, step.scale = self.eps, self.scale
         step.cos_t, step.sin_t, step.slots = cos.data_ptr(), sin.data_ptr(), slots.data_ptr()

@@ -17,7 +17,8 @@ So at most about half a GiB stays mapped after a burst, against a KV cache of Gi
 
 Setting any of these turns off glibc's own adaptive threshold, so all three are set together. A
 user who tunes malloc through the environment (MALLOC_*_ variables or GLIBC_TUNABLES) or preloads
-another allocator is left alone; TOKENMILL_MALLOC_TUNING=0 turns this off.
+another allocator is left alone; the engine's `malloc_tuning` setting turns this off ("on" refuses
+to start where it cannot act).
 
 Huge pages for large tensors (large_tensors_on_huge_pages): torch's CPU allocator can advise the
 kernel to back every allocation of 2 MiB or more with transparent huge pages (its
@@ -25,13 +26,16 @@ THP_MEM_ALLOC_ENABLE setting; the kernel then maps the allocation's whole 2 MiB 
 pages). A step streams its weights (tiny-llama: ~17 MB of split projection weights and the 16 MB
 bfloat16 greedy screen, every decode step) and activations through the TLB; with 4 KiB pages each
 4 KiB costs a page walk, nested under a VM's own page tables. Measured on tiny-llama's `mixed` run
-(engine on / TOKENMILL_HUGE_PAGES=0, alternated): 2 threads 6.45 / 6.57, 5.99 / 6.25 and 6.15 /
+(engine on / huge pages off, alternated): 2 threads 6.45 / 6.57, 5.99 / 6.25 and 6.15 /
 6.57 s; 1 thread 11.41 / 11.73 and 11.26 / 11.67 s. torch reads the setting once, at its first
 allocation of 2 MiB or more, so the engine sets it before loading a model; in a process that has
 allocated a large tensor before, it cannot take effect, and the engine says so (debug log). A value
-the user set is kept, a kernel without transparent huge pages is left alone, and
-TOKENMILL_HUGE_PAGES=0 turns this off. The KV cache is advised on its own (model_runner._zeros_kv),
-either way.
+the user set is kept, a kernel without transparent huge pages is left alone, and the engine's
+`huge_pages` setting turns this off ("on" refuses to start where it cannot act). The KV cache is
+advised on its own (model_runner._zeros_kv), either way.
+
+Both act before torch allocates the model: the engine calls them first thing on the CPU, with its
+settings (Engine.__init__), before it loads anything.
 """
 
 from __future__ import annotations
@@ -42,8 +46,6 @@ import os
 import platform
 import sys
 from collections.abc import Mapping
-
-from tokenmill.engine.switches import parse_switch
 
 log = logging.getLogger(__name__)
 
@@ -70,21 +72,24 @@ _huge_pages: str | None = None  # large_tensors_on_huge_pages' answer, once deci
 _THP_SYSFS = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
-def keep_freed_memory() -> str:
-    """Tune glibc malloc for the engine's allocation pattern (once per process); returns what was
-    done: "tuned", "skipped: <reason>" or "partly: ..."."""
+def keep_freed_memory(setting: str = "auto") -> str:
+    """Tune glibc malloc for the engine's allocation pattern (once per process) under the engine's
+    `malloc_tuning` setting; returns what was done: "tuned", "skipped: <reason>" or "partly: ...".
+    Raises ValueError where the setting is "on" and malloc could not be tuned."""
     global _applied
+    if setting == "off":  # not kept: a later engine of this process may still tune
+        return "skipped: malloc_tuning=off"
     if _applied is None:
         reason = skip_reason(os.environ)
         _applied = f"skipped: {reason}" if reason else _apply()
         log.debug("glibc malloc for the CPU engine: %s", _applied)
+    if setting == "on" and _applied != "tuned":
+        raise ValueError(f"malloc_tuning=on, but glibc malloc was not tuned ({_applied})")
     return _applied
 
 
 def skip_reason(env: Mapping[str, str]) -> str | None:
     """Why malloc must be left as it is in this environment, or None to tune it."""
-    if env.get("TOKENMILL_MALLOC_TUNING", "1") == "0":
-        return "TOKENMILL_MALLOC_TUNING=0"
     chosen = [name for name in _USER_MALLOC_ENV if env.get(name)]
     if "glibc.malloc." in env.get("GLIBC_TUNABLES", ""):
         chosen.append("GLIBC_TUNABLES")
@@ -108,20 +113,24 @@ def _apply() -> str:
     return f"partly: mallopt refused {', '.join(refused)}" if refused else "tuned"
 
 
-def large_tensors_on_huge_pages() -> str:
+def large_tensors_on_huge_pages(setting: str = "auto") -> str:
     """Ask torch to put CPU tensors of 2 MiB or more on transparent huge pages (once per process;
-    see the module docstring); returns "on", "skipped: <reason>" or "too late: <reason>"."""
+    see the module docstring) under the engine's `huge_pages` setting; returns "on", "skipped:
+    <reason>" or "too late: <reason>". Raises ValueError where the setting is "on" and the
+    request could not take effect."""
     global _huge_pages
+    if setting == "off":  # not kept: a later engine of this process may still ask in time
+        return "skipped: huge_pages=off"
     if _huge_pages is None:
         _huge_pages = _enable_huge_pages(os.environ)
         log.debug("huge pages for large CPU tensors: %s", _huge_pages)
+    if setting == "on" and not _huge_pages.startswith("on"):
+        raise ValueError(f"huge_pages=on, but large CPU tensors are not on huge pages ({_huge_pages})")
     return _huge_pages
 
 
 def huge_pages_skip_reason(env: Mapping[str, str]) -> str | None:
-    """Why the huge-page setting must be left as it is in this environment, or None to set it."""
-    if parse_switch("TOKENMILL_HUGE_PAGES", env.get("TOKENMILL_HUGE_PAGES")) is False:
-        return "TOKENMILL_HUGE_PAGES=0"
+    """Why torch's huge-page setting must be left as it is in this environment, or None to set it."""
     if env.get(_TORCH_THP_ENV) is not None:
         return f"{_TORCH_THP_ENV}={env[_TORCH_THP_ENV]} set by the user"
     if not sys.platform.startswith("linux"):

@@ -1,0 +1,157 @@
+/* The greedy screen's candidate check: the float32 logits of the few columns a bfloat16 screen
+   cannot rule out, and their argmax (greedy_screen.py). */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+static inline float bf16_to_f32(uint16_t b) {
+    const uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+#if defined(__AVX512F__)
+/* 16 bfloat16 values as float32: a bfloat16 is the top half of a float32. */
+static inline __m512 bf16x16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+#endif
+
+/* The largest of V bfloat16 values (NaN ignored; the caller rejects a row whose norm is not finite). */
+static inline float row_max(const uint16_t *s, int64_t V) {
+    float m = -INFINITY;
+    int64_t j = 0;
+#if defined(__AVX512F__)
+    __m512 mv = _mm512_set1_ps(-INFINITY);
+    for (; j + 16 <= V; j += 16) mv = _mm512_max_ps(mv, bf16x16(s + j));
+    m = _mm512_reduce_max_ps(mv);
+#endif
+    for (; j < V; ++j) {
+        const float x = bf16_to_f32(s[j]);
+        m = x > m ? x : m;
+    }
+    return m;
+}
+
+/* The first j with s[j] == m, m one of the V values: a scalar search would walk half the vocabulary
+   on average, as long as the max itself. */
+static inline int64_t first_equal(const uint16_t *s, int64_t V, float m) {
+    int64_t j = 0;
+#if defined(__AVX512F__)
+    const __m512 mv = _mm512_set1_ps(m);
+    for (; j + 16 <= V; j += 16) {
+        const __mmask16 eq = _mm512_cmp_ps_mask(bf16x16(s + j), mv, _CMP_EQ_OQ);
+        if (eq) return j + __builtin_ctz(eq);
+    }
+#else
+    (void)V; /* the scalar search needs no bound: m is one of the V values */
+#endif
+    while (bf16_to_f32(s[j]) != m) ++j;
+    return j;
+}
+
+/* The float32 logit as oneDNN's float32 GEMM computes it: fused multiply-adds in order of k within
+   each block of `kb` (oneDNN's K blocking, found at load: GreedyScreen.build), the blocks' sums added in
+   order. */
+static inline float logit_f32(const float *h, const float *w, int64_t K, int64_t kb) {
+    float total = 0.f;
+    for (int64_t k0 = 0; k0 < K; k0 += kb) {
+        const int64_t end = k0 + kb < K ? k0 + kb : K;
+        float acc = 0.f;
+        for (int64_t k = k0; k < end; ++k) acc = fmaf(h[k], w[k], acc);
+        total = k0 == 0 ? acc : total + acc;
+    }
+    return total;
+}
+
+/* out[i] = logit_f32 of hidden row rows[i] and weight row cols[i] (used to find kb at load). */
+void logits_at(const float *hidden, int64_t h_stride, const float *weight, int64_t K, int64_t kb,
+               const int64_t *rows, const int64_t *cols, int64_t n, float *out)
+{
+    for (int64_t i = 0; i < n; ++i) out[i] = logit_f32(hidden + rows[i] * h_stride, weight + cols[i] * K, K, kb);
+}
+
+/* bfloat16 of x as torch rounds it (to nearest, ties to even), back as a float32; x finite. */
+static inline float round_bf16(float x) {
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    u = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* Row r: screen[r] holds V bfloat16 logits. For each column j the bound of the module docstring,
+       eps_j = A p[j] + B t[j] + D |screen_j| + E,
+   with A = |h - bf16(h)| + gamma |bf16(h)|, B = |h|, E = abs_term (|h| + w_max + 1) from the row
+   (computed here in double) and p[j] = |bf16(w_j)|, t[j] = |w_j - bf16(w_j)| + gamma |w_j| from the
+   column (at load, rounded up). ids[r] = the argmax of the float32 logits of the candidates, the
+   columns with screen_j + eps_j >= screen_m - eps_m (m: the screen's own argmax), lowest id on
+   ties; cand[r] = their number, or -1 when the row's hidden state or screen is not finite or it
+   has more than max_cand candidates (the caller then takes the full head for it). */
+void greedy_from_screen(const uint16_t *screen, int64_t screen_stride, const float *hidden, int64_t h_stride,
+                        const float *weight, int64_t V, int64_t K, int64_t kb, const float *p, const float *t,
+                        double p_max, double t_max, double gamma, double d_rel, double abs_term, double w_max,
+                        int64_t max_cand, int64_t n, int64_t *ids, int64_t *cand)
+{
+    #pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < n; ++r) {
+        const uint16_t *s = screen + r * screen_stride;
+        const float *h = hidden + r * h_stride;
+        double sq = 0.0, sq_b = 0.0, sq_d = 0.0;
+        for (int64_t k = 0; k < K; ++k) {
+            sq += (double)h[k] * (double)h[k];
+            if (!isfinite(h[k])) { sq = INFINITY; break; }
+            const float hb = round_bf16(h[k]), dh = h[k] - hb; /* exact: hb is within a factor 2 of h */
+            sq_b += (double)hb * (double)hb;
+            sq_d += (double)dh * (double)dh;
+        }
+        const double norm = sqrt(sq);
+        const float m = row_max(s, V);
+        /* |logit| <= norm * w_max: below 1e37 no sum can overflow, so no screen value is NaN */
+        if (!(norm * w_max < 1e37) || !isfinite(m)) { ids[r] = -1; cand[r] = -1; continue; }
+        const double slack = 1.0 + 1e-9; /* the rounding of the norms and of eps itself */
+        const double A = (sqrt(sq_d) + gamma * sqrt(sq_b)) * slack, B = norm * slack;
+        const double E = abs_term * (norm + w_max + 1.0) * slack, D = d_rel * slack;
+        const int64_t jm = first_equal(s, V, m);
+        const double eps_m = A * p[jm] + B * t[jm] + D * fabs((double)m) + E;
+        const double floor_t = (double)m - eps_m; /* the best logit is at least this */
+        /* Only a column with screen_j >= pre can reach floor_t (eps_j at most the largest column's). */
+        const double x = floor_t - (A * p_max + B * t_max + E);
+        const float pre = nextafterf((float)(x >= 0 ? x / (1.0 + D) : x / (1.0 - D)), -INFINITY);
+        int64_t best_id = -1, count = 0;
+        float best = -INFINITY;
+        int64_t j = 0;
+#if defined(__AVX512F__)
+        const __m512 pre_v = _mm512_set1_ps(pre);
+        for (; j + 16 <= V && count <= max_cand; j += 16) {
+            __mmask16 hit = _mm512_cmp_ps_mask(bf16x16(s + j), pre_v, _CMP_GE_OQ);
+            while (hit) {
+                const int64_t c = j + __builtin_ctz(hit);
+                hit &= hit - 1;
+                const double sc = (double)bf16_to_f32(s[c]);
+                if (sc + A * p[c] + B * t[c] + D * fabs(sc) + E < floor_t) continue;
+                const float v = logit_f32(h, weight + c * K, K, kb);
+                ++count;
+                if (best_id < 0 || v > best) { best = v; best_id = c; } /* ascending ids: ties keep the lowest */
+            }
+        }
+#endif
+        for (; j < V && count <= max_cand; ++j) {
+            const float sf = bf16_to_f32(s[j]);
+            if (!(sf >= pre)) continue;
+            const double sc = (double)sf;
+            if (sc + A * p[j] + B * t[j] + D * fabs(sc) + E < floor_t) continue;
+            const float v = logit_f32(h, weight + j * K, K, kb);
+            ++count;
+            if (best_id < 0 || v > best) { best = v; best_id = j; }
+        }
+        if (count > max_cand) { ids[r] = -1; cand[r] = -1; continue; } /* a loose screen: the full head is cheaper */
+        ids[r] = best_id;
+        cand[r] = count;
+    }
+}
