@@ -13,38 +13,15 @@ from pathlib import Path
 import torch
 
 from tokenmill.engine.attention import AttentionBackend
-from tokenmill.engine.model_config import CheckpointError, ModelConfig, load_model_config, read_json
+from tokenmill.engine.checkpoint_files import weight_files
+from tokenmill.engine.model_config import CheckpointError, ModelConfig, load_model_config
 from tokenmill.engine.models import MODEL_CLASSES
 from tokenmill.kernels.cpu.paths import CpuPaths
 
 log = logging.getLogger(__name__)
 
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
 # Tensors some checkpoints carry that the model recomputes instead of loading.
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
-
-
-def weight_files(model_dir: Path) -> list[Path]:
-    """The safetensors files of a checkpoint, checked to exist."""
-    index_path = model_dir / INDEX_FILE
-    if index_path.exists():
-        weight_map = read_json(index_path).get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise CheckpointError(f"{index_path} has no weight_map")
-        names = sorted(set(weight_map.values()))
-        missing = [n for n in names if not (model_dir / n).exists()]
-        if missing:
-            raise CheckpointError(f"{model_dir} lacks weight shard(s) listed in {INDEX_FILE}: {', '.join(missing)}")
-        return [model_dir / n for n in names]
-    if (model_dir / SINGLE_FILE).exists():
-        return [model_dir / SINGLE_FILE]
-    shards = sorted(model_dir.glob("*.safetensors"))
-    if shards:
-        return shards
-    others = sorted(p.name for p in model_dir.glob("*.bin")) + sorted(p.name for p in model_dir.glob("*.gguf"))
-    hint = f" (found {', '.join(others)}: only safetensors weights are loaded; convert GGUF with `tokenmill convert`)" if others else ""
-    raise CheckpointError(f"{model_dir} has no weights: expected {SINGLE_FILE} or {INDEX_FILE} with shards{hint}")
 
 
 def _tensor_names(files: list[Path]) -> dict[str, Path]:
