@@ -8,6 +8,9 @@ is one LLMatcher built at the grammar's start; each request gets a deep copy of 
 Whitespace of JSON kinds: "compact" allows none between JSON tokens (separators are exactly
 "," and ":"), so a model cannot pad an object until max_tokens; "flexible" allows runs of at
 most FLEXIBLE_WHITESPACE_MAX spaces, tabs or newlines (pretty-printing, never unbounded padding).
+The grammar of "flexible" allows any run and whitespace_bound.py cuts it at the bound, the same
+way on every llguidance version (a bound written in the grammar holds only from llguidance 1.8).
+A flexible JSON compile gives a BoundedMatcher (the matcher and its whitespace state) instead.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import Any
 import torch
 
 from tokenmill.engine.structured.backend import ConstraintError
+from tokenmill.engine.structured.whitespace_bound import BROKEN, BoundedMatcher, WhitespaceBound
 from tokenmill.engine.types import StructuredOutputsParams
 
 FLEXIBLE_WHITESPACE_MAX = 16
@@ -41,6 +45,7 @@ class LLGuidanceBackend:
         self.eos_token_ids = list(eos_token_ids)
         self._lock = threading.Lock()
         self._tokenizer = None  # built on the first compile (~0.2 s): engines without constraints skip it
+        self._whitespace: WhitespaceBound | None = None  # built on the first flexible JSON compile
         self._executor = None
 
     # -- compile ------------------------------------------------------------------------------
@@ -57,6 +62,15 @@ class LLGuidanceBackend:
                     raise ConstraintError(f"the model's tokenizer cannot be used for constraints: {exc}") from exc
             return self._tokenizer
 
+    def whitespace_bound(self) -> WhitespaceBound:
+        """The whitespace scan of this vocabulary (each token's bytes scanned once, on a compile thread)."""
+        tokenizer = self._llg_tokenizer()
+        with self._lock:
+            if self._whitespace is None:
+                self._whitespace = WhitespaceBound(
+                    [tokenizer.decode_bytes([t]) for t in range(self.vocab_size)], FLEXIBLE_WHITESPACE_MAX)
+            return self._whitespace
+
     def compile(self, params: StructuredOutputsParams):
         from llguidance import LLMatcher
 
@@ -68,6 +82,9 @@ class LLGuidanceBackend:
             raise ConstraintError(_reason(f"invalid {params.kind} constraint: {exc}")) from exc
         if matcher.is_error():
             raise ConstraintError(_reason(f"invalid {params.kind} constraint: {matcher.get_error()}"))
+        if params.kind in ("json", "json_object") and params.whitespace == "flexible":
+            self.whitespace_bound()
+            return BoundedMatcher(matcher)
         return matcher
 
     # -- per request and per step ---------------------------------------------------------------
@@ -87,15 +104,32 @@ class LLGuidanceBackend:
         if bitmask.dtype != torch.int32 or bitmask.device.type != "cpu" or not bitmask.is_contiguous():
             raise ValueError("the bitmask must be a contiguous int32 CPU tensor")
         rows, words = bitmask.shape
-        self._executor.unsafe_compute_mask_ptr(list(matchers), bitmask.data_ptr(), words * 4, rows)
+        plain = [(m.matcher if isinstance(m, BoundedMatcher) else m, row) for m, row in matchers]
+        self._executor.unsafe_compute_mask_ptr(plain, bitmask.data_ptr(), words * 4, rows)
+        bounded = [(row, m.state) for m, row in matchers if isinstance(m, BoundedMatcher)]
+        if bounded:
+            self._whitespace.restrict(bitmask, [row for row, _ in bounded], [state for _, state in bounded])
 
     def accept(self, matcher: Any, token_id: int) -> bool:
-        return bool(matcher.consume_token(token_id))
+        if not isinstance(matcher, BoundedMatcher):
+            return bool(matcher.consume_token(token_id))
+        state = self._whitespace.next_state(matcher.state, token_id)
+        if state == BROKEN:
+            matcher.broken = True
+            return False
+        matcher.state = state
+        return bool(matcher.matcher.consume_token(token_id))
 
     def is_finished(self, matcher: Any) -> bool:
+        if isinstance(matcher, BoundedMatcher):
+            matcher = matcher.matcher
         return bool(matcher.is_stopped())
 
     def error(self, matcher: Any) -> str:
+        if isinstance(matcher, BoundedMatcher):
+            if matcher.broken:
+                return f"a whitespace run outside strings longer than {FLEXIBLE_WHITESPACE_MAX}"
+            matcher = matcher.matcher
         return _reason(matcher.get_error() or "the token is not allowed by the constraint")
 
 
@@ -128,7 +162,8 @@ def check_without_tokenizer(params: StructuredOutputsParams) -> None:
 
 
 def _json_options(whitespace: str) -> dict:
-    """The JSON compile options, as overrides (a schema's own x-guidance cannot change them)."""
+    """The JSON compile options, as overrides (a schema's own x-guidance cannot change them).
+    Flexible whitespace is any run of JSON whitespace here; its bound is whitespace_bound.py's."""
     if whitespace == "compact":
         return {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
-    return {"whitespace_flexible": True, "whitespace_pattern": rf"[\x20\x0A\x0D\x09]{{0,{FLEXIBLE_WHITESPACE_MAX}}}"}
+    return {"whitespace_flexible": True}
