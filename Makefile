@@ -3,7 +3,7 @@
 PY := .venv/bin/python
 export OMP_WAIT_POLICY := PASSIVE
 
-.PHONY: setup demo test test-quick lint lock kafka-jars
+.PHONY: setup demo test test-quick lint lock kafka-jars vllm-env
 
 setup:
 	@./scripts/bootstrap.sh
@@ -24,3 +24,8 @@ lint: setup
 lock: setup
 	.venv/bin/uv pip compile pyproject.toml --extra dev --extra eval --python-version 3.11 \
 		--python-platform x86_64-manylinux_2_28 --no-header -o requirements.lock
+
+# A second environment, .venv-vllm, holding tokenmill and vLLM's CPU build together (the vLLM backend's
+# ground); pinned by scripts/vllm-requirements.lock, which `scripts/vllm-env.sh lock` regenerates.
+vllm-env: setup
+	@./scripts/vllm-env.sh
