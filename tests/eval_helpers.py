@@ -28,11 +28,11 @@ def task_requests(name: str, limit: int | None = None) -> list[Any]:
     return list(task.instances)
 
 
-def hf_lm(model_dir: str | Path, max_length: int | None = None) -> Any:
-    """lm-eval's own Hugging Face model (``--model hf``), float32 on the CPU."""
+def hf_lm(model_dir: str | Path, max_length: int | None = None, dtype: str = "float32") -> Any:
+    """lm-eval's own Hugging Face model (``--model hf``), float32 (or ``dtype``) on the CPU."""
     from lm_eval.models.huggingface import HFLM
 
-    return HFLM(pretrained=str(model_dir), dtype="float32", device="cpu", batch_size=8, max_length=max_length)
+    return HFLM(pretrained=str(model_dir), dtype=dtype, device="cpu", batch_size=8, max_length=max_length)
 
 
 def tokenmill_lm(model_dir: str | Path, **engine: Any) -> tuple[Any, Any]:
