@@ -99,21 +99,31 @@ _max_tokens = attrgetter("sampling.max_tokens")
 _prompt_scores = attrgetter("prompt_scores")
 
 
-def _zeros_kv(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zero-filled KV cache tensor; on a Linux CPU backed by transparent huge pages when allowed.
+def _kv_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, *, zeroed: bool) -> torch.Tensor:
+    """A KV cache tensor; on a Linux CPU backed by transparent huge pages when allowed, and left
+    unwritten unless `zeroed`.
 
-    Why: decode attention reads each sequence's blocks, which lie scattered over the whole cache, so
-    with 4 KiB pages nearly every block costs TLB misses. Asking for 2 MiB pages (madvise, honoured
-    when THP is in "madvise" or "always" mode) made the CPU decode attention kernel ~20% faster on
-    scattered blocks. Where that is unavailable this is plain torch.zeros.
+    Unwritten: no attention path reads a slot its sequence has not written (each row reads its
+    positions below its length; the torch decode path's padded lanes read the row's first slot;
+    tests/test_kv_cache_unwritten.py fills a cache with NaN to hold them to it). Zeroing would only
+    cost start time, in proportion to the cache's size (a 2 GiB SmolLM2 cache took 2-7 s on a
+    2-core EPYC), and map every page at once; unwritten, a page is mapped when a step first writes
+    into it. The padded decode path of captured graphs (and its eager twin) gives its padding rows
+    slot 0 of block 0 to read, so a cache under it is zeroed; on CUDA zeroing is quick anyway.
+
+    Huge pages: decode attention reads each sequence's blocks, which lie scattered over the whole
+    cache, so with 4 KiB pages nearly every block costs TLB misses. Asking for 2 MiB pages (madvise,
+    honoured when THP is in "madvise" or "always" mode) made the CPU decode attention kernel ~20%
+    faster on scattered blocks. The advice needs no page mapped now: each 2 MiB span becomes a huge
+    page when a step first writes into it, so the cache's size costs nothing at start.
     """
     if device.type != "cpu" or not sys.platform.startswith("linux"):
-        return torch.zeros(shape, dtype=dtype, device=device)
+        return torch.zeros(shape, dtype=dtype, device=device) if zeroed else torch.empty(shape, dtype=dtype, device=device)
     numel = math.prod(shape)
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    if nbytes < HUGE_PAGE:
-        return torch.zeros(shape, dtype=dtype)
     item = torch.empty((), dtype=dtype).element_size()
+    nbytes = numel * item
+    if nbytes < HUGE_PAGE:
+        return torch.zeros(shape, dtype=dtype) if zeroed else torch.empty(shape, dtype=dtype)
     raw = torch.empty(numel + HUGE_PAGE // item, dtype=dtype)  # room to align the start to 2 MiB
     start = (-raw.data_ptr()) % HUGE_PAGE // item
     tensor = raw[start : start + numel]
@@ -122,7 +132,9 @@ def _zeros_kv(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) 
         libc.madvise(ctypes.c_void_p(tensor.data_ptr()), ctypes.c_size_t(nbytes - nbytes % HUGE_PAGE), _MADV_HUGEPAGE)
     except (OSError, AttributeError):
         pass  # only advice: without it the cache works the same, a little slower
-    return tensor.zero_().view(shape)  # zeroing after the advice maps the pages as huge pages
+    if zeroed:
+        tensor.zero_()  # after the advice, so the pages map as huge pages
+    return tensor.view(shape)
 
 
 class PinnedStaging:
@@ -205,9 +217,11 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        # Zero-filled: padded attention lanes may read never-written slots; zeros keep them finite.
+        # Left unwritten where nothing reads a slot before its K/V is written (see _kv_tensor).
+        zeroed = device.type != "cpu" or graph_mode != "off"
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
-            (_zeros_kv(shape, dtype, device), _zeros_kv(shape, dtype, device)) for _ in range(num_layers)
+            (_kv_tensor(shape, dtype, device, zeroed=zeroed), _kv_tensor(shape, dtype, device, zeroed=zeroed))
+            for _ in range(num_layers)
         ]
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self._tables = np.zeros((max_num_seqs, self.max_blocks_per_seq), dtype=np.int32)

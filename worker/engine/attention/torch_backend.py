@@ -374,6 +374,11 @@ def build_plan(meta: AttentionMetadata, block_size: int, num_kv_heads: int = 1,
         length = n_blocks * block_size
         blocks = tables()[torch.tensor(rows), :n_blocks]  # [n, n_blocks]
         slots = (blocks[:, :, None] * block_size + torch.arange(block_size)).reshape(len(rows), 1, length)
+        # A lane past its row's length is masked (-inf below), but its key and value still go through
+        # the GEMMs, and a slot nothing wrote (the KV cache is not zeroed) may hold NaN: NaN x 0 is NaN.
+        # So such a lane reads the row's first slot, which the row's prefill wrote.
+        past_end = (torch.arange(length) >= lens[:, None])[:, None, :]  # [n, 1, length]
+        slots = torch.where(past_end, slots[:, :, :1], slots)
         cache_rows = slots * num_kv_heads + torch.arange(num_kv_heads)[None, :, None]  # [n, kv_heads, length]
         bias = torch.zeros(len(rows), 1, 1, length, dtype=dtype)
         bias.masked_fill_(torch.arange(length)[None, None, None, :] >= lens[:, None, None, None], float("-inf"))

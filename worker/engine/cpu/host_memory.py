@@ -32,7 +32,8 @@ allocation of 2 MiB or more, so the engine sets it before loading a model; in a 
 allocated a large tensor before, it cannot take effect, and the engine says so (debug log). A value
 the user set is kept, a kernel without transparent huge pages is left alone, and the engine's
 `huge_pages` setting turns this off ("on" refuses to start where it cannot act). The KV cache is
-advised on its own (model_runner._zeros_kv), either way.
+advised on its own (model_runner._kv_tensor), either way, and left unwritten: its spans become
+huge pages as steps first write into them, so its size costs the start nothing.
 
 Both act before torch allocates the model: the engine calls them first thing on the CPU, with its
 settings (Engine.__init__), before it loads anything.
