@@ -2,15 +2,32 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from tokenmill.engine.checkpoint_files import CheckpointError, has_tokenizer, no_tokenizer_message
+from tokenmill.engine.checkpoint_files import (
+    CONFIG_FILE,
+    MODEL_TYPES,
+    CheckpointError,
+    has_tokenizer,
+    no_tokenizer_message,
+    read_json,
+)
+
+TOKENIZER_CONFIG = "tokenizer_config.json"
 
 
 def load_tokenizer(path: str | Path):
-    """AutoTokenizer from the checkpoint directory, never downloading anything."""
+    """AutoTokenizer from the checkpoint directory, never downloading anything.
+
+    Where tokenizer_config.json names its tokenizer class and config.json is of a model type we
+    serve (the usual case), AutoTokenizer is given config.json as a plain PretrainedConfig: for
+    these types it then takes the class the file names, as it does with the model's own config
+    class, whose import pulls in torch.distributed, accelerate and sympy, 1-2 s of an engine's
+    start on a 2-core EPYC (tests/test_tokenizer_load.py holds the two ways equal)."""
     from transformers import AutoTokenizer
 
     model_dir = Path(path)
@@ -19,9 +36,45 @@ def load_tokenizer(path: str | Path):
     if not has_tokenizer(model_dir):
         raise CheckpointError(no_tokenizer_message(model_dir))
     try:
-        return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+        return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True, **_light_config(model_dir))
     except Exception as exc:  # transformers raises many types (OSError, ValueError, ...) for bad files
         raise CheckpointError(f"cannot load the tokenizer in {model_dir}: {exc}") from exc
+
+
+def start_loading_tokenizer(path: str | Path) -> Future:
+    """load_tokenizer(path) on a thread of its own; the tokenizer (or the error) through the Future.
+
+    The engine loads the weights meanwhile: the tokenizer's load is mostly Python (transformers'
+    imports), the weights' copy and packing mostly torch's native code, which lets the GIL go, so
+    on two cores the two overlap. A daemon thread: an engine whose weights fail to load does not
+    keep its process alive until the tokenizer is there."""
+    future: Future = Future()
+
+    def load() -> None:
+        try:
+            future.set_result(load_tokenizer(path))
+        except BaseException as exc:  # handed to the caller, who raises it
+            future.set_exception(exc)
+
+    threading.Thread(target=load, name="tokenizer-load", daemon=True).start()
+    return future
+
+
+def _light_config(model_dir: Path) -> dict[str, Any]:
+    """{"config": config.json as a plain PretrainedConfig} where that picks the tokenizer AutoTokenizer's
+    own config would (see load_tokenizer), else {} (AutoTokenizer's own way)."""
+    try:
+        named = read_json(model_dir / TOKENIZER_CONFIG).get("tokenizer_class")
+        config = read_json(model_dir / CONFIG_FILE)
+    except (OSError, CheckpointError):
+        return {}
+    if not isinstance(named, str) or config.get("model_type") not in MODEL_TYPES:
+        return {}
+    from transformers import PretrainedConfig
+
+    # from_dict keeps config.json's model_type on the instance: AutoTokenizer's choices by model type
+    # read it as they would on the model's own config class.
+    return {"config": PretrainedConfig.from_dict(config)}
 
 
 def _validate_messages(messages: Any) -> list[dict[str, str]]:

@@ -25,7 +25,6 @@ import torch
 from tokenmill.engine.metrics import EngineMetrics
 from tokenmill.engine.structured.compiler import CompileEntry, ConstraintCompiler
 from tokenmill.engine.structured.llguidance_backend import LLGuidanceBackend
-from tokenmill.kernels.token_bitmask import apply_token_bitmask
 
 if TYPE_CHECKING:
     from tokenmill.engine.request import Request
@@ -55,6 +54,10 @@ class StepMask:
 
     def apply(self, logits: torch.Tensor) -> None:
         """Wait for the fill, then mask the rows' disallowed ids to -inf in place."""
+        # Imported at the first mask, not with this module: Triton's import is a tenth of a CPU
+        # engine's start, and an engine that never constrains a row never needs it.
+        from tokenmill.kernels.token_bitmask import apply_token_bitmask
+
         fill_s = self._fill.result()
         t0 = time.perf_counter()
         every_row = len(self.rows) == logits.shape[0]  # rows are ascending sampling rows
