@@ -35,7 +35,8 @@ carries a stale epoch and is dropped.
 
 The broker away: at start, the clients are started once a broker answers, waiting up to
 --broker-wait-timeout (retry.py's BrokerWait; then exit code 5 with the reason); each try is a
-new client. The consumer connects first and joins the group after, with the patience a
+new client. The model loads on a thread meanwhile, so a worker started before its broker (a pod
+scaled from zero) is ready as soon as the later of the two is; a load that fails stops the wait. The consumer connects first and joins the group after, with the patience a
 rebalance needs (the session timeout plus the rebalance timeout) before that counts as an
 outage; /readyz says "joining" meanwhile. While running,
 broker_watch.py's probe marks the worker not ready and pauses intake during an outage, however
@@ -187,13 +188,17 @@ class KafkaWorker:
         self.log.info("worker starting", bootstrap=self.s.bootstrap_servers, group=self.s.group_id,
                       jobs_topic=self.s.jobs_topic, exactly_once=self.s.exactly_once,
                       security=self.s.security.describe())
+        loading: asyncio.Task | None = None
         try:
             # Refused credentials or an untrusted certificate show in one round trip: before the
             # model loads, not after.
             await check_credentials(self.s.bootstrap_servers, self.s.security.aiokafka_kwargs())
-            engine = await self._load_model()
-            if not self._stop.is_set():
-                await self._run_kafka(loop, engine)
+            # The model loads (on a thread) while the clients connect: a worker started beside its
+            # broker, or before it, waits for the two at once, not one after the other.
+            loading = asyncio.ensure_future(self._load_model())
+            loading.add_done_callback(self._on_loaded)
+            await self._run_kafka(loop, loading)
+            await loading  # a load that failed while the clients waited: its error, as below
         except Exception as exc:
             if (denied := access_denied(exc)) is not None:
                 self._denied(denied)
@@ -213,19 +218,28 @@ class KafkaWorker:
 
     async def _load_model(self) -> Engine:
         if self.engine is None:
-            from tokenmill.engine import Engine
-            from tokenmill.storage.checkpoint import resolve_model_path
-
             t0 = time.monotonic()
-            # Every engine setting goes through unchanged; the model becomes a local directory.
-            config = replace(self.s.engine, model=str(resolve_model_path(self.s.engine.model)))
-            self.engine = await asyncio.to_thread(Engine, config)
+            self.engine = await asyncio.to_thread(self._new_engine)
             self.log.info("model loaded", seconds=round(time.monotonic() - t0, 2))
         self.served_model_name = self.engine.served_model_name
         self.health.model_loaded = True
         return self.engine
 
-    async def _run_kafka(self, loop: asyncio.AbstractEventLoop, engine: Engine) -> None:
+    def _new_engine(self) -> Engine:
+        """The engine, on the loading thread: an s3:// model is downloaded there too, so the event
+        loop keeps connecting meanwhile."""
+        from tokenmill.engine import Engine
+        from tokenmill.storage.checkpoint import resolve_model_path
+
+        # Every engine setting goes through unchanged; the model becomes a local directory.
+        return Engine(replace(self.s.engine, model=str(resolve_model_path(self.s.engine.model))))
+
+    def _on_loaded(self, loading: asyncio.Task) -> None:
+        """A failed load stops the start at once (no waiting on for a broker); run() raises its error."""
+        if not loading.cancelled() and loading.exception() is not None:
+            self._stop.set()
+
+    async def _run_kafka(self, loop: asyncio.AbstractEventLoop, loading: asyncio.Task) -> None:
         s = self.s
         wait = BrokerWait(s.bootstrap_servers, s.broker_wait_timeout_s, self._stop, self.log, tick=self.health.tick)
         client_kwargs = s.security.aiokafka_kwargs()
@@ -251,6 +265,11 @@ class KafkaWorker:
             if consumer is None:
                 return
             self.consumer = consumer
+            if not loading.done():
+                self.log.info("connected; waiting for the model to load")
+            engine = await asyncio.shield(loading)  # shielded: a cancelled start leaves the thread to finish
+            if self._stop.is_set():
+                return  # asked to stop while the model loaded: nothing was taken yet
             self._assemble(loop, engine)
             self.consumer.subscribe([s.jobs_topic], listener=self.rebalance)
             # The poll task starts at once: its first fetch waits inside aiokafka for the first
