@@ -7,6 +7,10 @@ from __future__ import annotations
 
 from typing import Final, Literal
 
+# The contract's version: raised only for a change that breaks producers or readers (compat.py
+# checks every exported schema against the version recorded in schemas/compat/contract.json).
+CONTRACT_VERSION: Final = 1
+
 # Result.status
 STATUS_OK: Final = "ok"
 STATUS_ERROR: Final = "error"
