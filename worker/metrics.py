@@ -100,6 +100,22 @@ class WorkerMetrics:
             "tokenmill_constraint_mask_seconds", "Token-mask fill + apply time of each step with constrained rows",
             buckets=_CONSTRAINT_BUCKETS_S, registry=r,
         )
+        # What a rebalance (or a stop) costs: engine time with nothing to do, and work thrown away.
+        self.engine_idle = Counter(
+            "tokenmill_engine_idle_seconds", "Seconds the engine had no request, running or waiting", registry=r
+        )
+        self.discarded_tokens = Counter(
+            "tokenmill_discarded_tokens",
+            "Tokens computed (prompt tokens prefilled and output tokens) for jobs whose work was thrown away: "
+            "aborted in the engine, or finished with an answer that was dropped; by the job's input partition "
+            "and why (rebalance, stopping, lost, answer_dropped)",
+            ["partition", "reason"], registry=r,
+        )
+        self.jobs_discarded = Counter(
+            "tokenmill_jobs_discarded", "Jobs whose work in the engine was thrown away (see tokenmill_discarded_tokens)",
+            ["partition", "reason"], registry=r,
+        )
+        self._idle_at: float | None = None  # when the engine was last seen idle (None: it was busy)
         self._tok_window: list[tuple[float, int]] = []
 
     def count_cuts(self, records) -> None:
@@ -118,7 +134,19 @@ class WorkerMetrics:
             self.jobs_dead_lettered.labels(code or "internal").inc()
             self.jobs_error.labels(code or "internal").inc()
 
-    def observe_engine(self, stats: EngineStats) -> None:
+    def count_discarded(self, partition: int, reason: str, tokens: int) -> None:
+        """One job's work thrown away: `tokens` computed for it (see tokenmill_discarded_tokens)."""
+        self.jobs_discarded.labels(str(partition), reason).inc()
+        self.discarded_tokens.labels(str(partition), reason).inc(max(0, tokens))
+
+    def observe_engine(self, stats: EngineStats, now: float | None = None) -> None:
+        # The engine thread reports after every step and every 0.25 s while idle, so an idle spell
+        # is counted from the report that found no request to the one after work came back (one
+        # step too long at most).
+        now = time.monotonic() if now is None else now
+        if self._idle_at is not None:
+            self.engine_idle.inc(max(0.0, now - self._idle_at))
+        self._idle_at = now if stats.running + stats.waiting == 0 else None
         self.running.set(stats.running)
         self.waiting.set(stats.waiting)
         self.kv_usage.set(stats.kv_usage)

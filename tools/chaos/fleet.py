@@ -30,12 +30,45 @@ _REPO = Path(__file__).resolve().parents[2]
 
 
 @dataclass
+class Costs:
+    """A worker's running totals of what rebalances and stops cost it, read from its /metrics."""
+
+    idle_s: float = 0.0  # tokenmill_engine_idle_seconds_total
+    discarded: dict[int, float] = field(default_factory=dict)  # partition -> tokenmill_discarded_tokens_total
+    output_tokens: float = 0.0  # tokenmill_output_tokens_total: tokens computed
+
+    @classmethod
+    def of(cls, samples: list[tuple[str, dict[str, str], float]]) -> Costs:
+        costs = cls()
+        for name, labels, value in samples:
+            if name == "tokenmill_engine_idle_seconds_total":
+                costs.idle_s = value
+            elif name == "tokenmill_output_tokens_total":
+                costs.output_tokens = value
+            elif name == "tokenmill_discarded_tokens_total" and labels.get("partition", "").isdigit():
+                p = int(labels["partition"])
+                costs.discarded[p] = costs.discarded.get(p, 0.0) + value
+        return costs
+
+    def since(self, before: Costs) -> Costs:
+        return Costs(self.idle_s - before.idle_s,
+                     {p: v - before.discarded.get(p, 0.0) for p, v in self.discarded.items()
+                      if v - before.discarded.get(p, 0.0) > 0},
+                     self.output_tokens - before.output_tokens)
+
+    @property
+    def discarded_tokens(self) -> int:
+        return int(sum(self.discarded.values()))
+
+
+@dataclass
 class Departure:
     worker: str
     how: str  # "SIGTERM" or "SIGKILL"
     at: float  # time.monotonic()
     uncommitted: int  # read just before the signal (0 if it could not be read)
     exit_code: int | None = None
+    costs: Costs = field(default_factory=Costs)  # read just before the signal
 
 
 @dataclass
@@ -141,6 +174,14 @@ class Fleet:
         status, text = await asyncio.to_thread(_get, f"http://127.0.0.1:{w.port}/metrics")
         return parse_metrics(text) if status == 200 else []
 
+    async def costs(self, w: WorkerProc) -> Costs:
+        return Costs.of(await self.metrics(w))
+
+    def partitions_of(self, w: WorkerProc) -> set[int]:
+        """The partitions the worker owns by its last "partitions assigned" log line."""
+        events = [e for e in self.log_events("partitions assigned") if e.get("worker") == w.name]
+        return set(events[-1]["partitions"]) if events else set()
+
     async def gauge(self, w: WorkerProc, name: str) -> float | None:
         for metric, _, value in await self.metrics(w):
             if metric == name:
@@ -149,9 +190,10 @@ class Fleet:
 
     async def depart(self, w: WorkerProc, how: str = "SIGTERM", wait_s: float = 60.0) -> Departure:
         """Read what the worker has uncommitted, then signal it; SIGTERM waits for its drain."""
-        uncommitted = await self.gauge(w, "tokenmill_uncommitted_offsets")
+        samples = await self.metrics(w)
+        uncommitted = next((v for name, _, v in samples if name == "tokenmill_uncommitted_offsets"), 0)
         sig = signal.SIGKILL if how == "SIGKILL" else signal.SIGTERM
-        d = Departure(w.name, how, time.monotonic(), int(uncommitted or 0))
+        d = Departure(w.name, how, time.monotonic(), int(uncommitted or 0), costs=Costs.of(samples))
         self.departures.append(d)
         if w.alive():
             w.proc.send_signal(sig)

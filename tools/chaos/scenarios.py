@@ -12,8 +12,13 @@ and a probe of each worker's /readyz every second. Then one scenario injects its
   started again at once.
 - `outage`: the same, but the broker stays away for `outage_s` seconds.
 - `rebalance-storm`: the fleet walks through the sizes of `schedule` (1 -> 4 -> 1 -> 3: one
-  worker joins or leaves every `step_s` seconds), jobs produced all along; departures
-  alternate SIGKILL and SIGTERM (a drain), starting with a SIGKILL.
+  worker joins or leaves every `step_s` seconds), jobs produced all along (or over
+  `produce_over_s`; 0 sends them all first, a backlog that keeps every engine busy); departures
+  alternate SIGKILL and SIGTERM (a drain), starting with a SIGKILL. Each step reports what it
+  cost the incumbents (the workers there before and after it), from their /metrics: seconds
+  their engine had nothing to do, tokens they computed and threw away, and the part of those
+  that belonged to partitions they kept (`step_costs`; with a backlog, idle time is the
+  rebalance's).
 
 The run ends when every job has a Result and the group's commit lag is 0 (or `drain_timeout_s`
 passed), then the last workers' assignments are checked and they are stopped with SIGTERM.
@@ -21,6 +26,9 @@ passed), then the last workers' assignments are checked and they are stopped wit
 Every worker's exit is reported: a killed one's signal, every other one's code. A worker that
 was not killed must exit 0 (a drain on SIGTERM); one that exits on its own, or with another
 code, fails the run as a lost job does.
+
+Every report also counts the tokens the workers computed and the tokens of work thrown away
+(aborted in the engine, or an answer dropped because its partition had moved).
 
 Duplicates are bounded by what was uncommitted when work changed hands: each killed worker's
 `tokenmill_uncommitted_offsets` just before the kill, plus what workers logged as given up
@@ -42,7 +50,7 @@ from pathlib import Path
 
 from tokenmill.tools.chaos import DEFAULT_WORKER_ARGS, NEEDS_OWN_BROKER, SCENARIOS
 from tokenmill.tools.chaos.broker import Broker
-from tokenmill.tools.chaos.fleet import Fleet, WorkerProc
+from tokenmill.tools.chaos.fleet import Costs, Fleet, WorkerProc
 from tokenmill.tools.chaos.ledger import ChaosTopics, Ledger, make_jobs
 
 
@@ -60,6 +68,7 @@ class ChaosConfig:
     outage_s: float = 120.0
     schedule: tuple[int, ...] = (1, 4, 1, 3)
     step_s: float = 7.5
+    produce_over_s: float | None = None  # rebalance-storm: jobs spread over this long (None: the whole storm)
     drain_timeout_s: float = 300.0
     worker_args: str = DEFAULT_WORKER_ARGS
     work_dir: Path | None = None  # worker logs (and the local broker's data); None: a temporary folder
@@ -101,6 +110,8 @@ class ChaosReport:
     duplicate_bound: int  # uncommitted offsets when work changed hands (see the module docstring)
     duplicate_bound_departed: int  # the part of the bound that belongs to workers that left
     first_result_s: float | None  # last fault -> first Result after it
+    tokens_computed: int = 0  # output tokens every worker generated (read before each one stopped)
+    discarded_tokens: int = 0  # tokens computed for work thrown away (aborted, or answers dropped)
     unexpected_exits: list[tuple[str, int]] = field(default_factory=list)
     exit_codes: dict[str, int | None] = field(default_factory=dict)  # of the last workers, stopped at the end
     details: dict = field(default_factory=dict)
@@ -129,6 +140,8 @@ class ChaosReport:
                 ("duplicated", f"{self.duplicated} (bound {self.duplicate_bound}: uncommitted when work changed "
                                f"hands; {self.duplicate_bound_departed} of it by workers that left)"),
                 ("not ok", str(self.not_ok)),
+                ("tokens", f"{self.tokens_computed} computed, {self.discarded_tokens} discarded (work thrown away: "
+                           "aborted in the engine or answers dropped)"),
                 ("drain", f"{seconds(self.drain_s)} (last fault -> every job answered, commit lag 0)"),
                 ("first Result", f"{seconds(self.first_result_s)} after the last fault"),
                 ("commit lag", "-" if self.commit_lag is None else str(self.commit_lag)),
@@ -265,29 +278,78 @@ def storm_sizes(schedule: tuple[int, ...]) -> list[int]:
     return sizes
 
 
+@dataclass
+class StepWindow:
+    """One storm step, from the change to the next one: what it cost the workers that stayed."""
+
+    step: str
+    incumbents: list[WorkerProc]  # members before the change that are members after it
+    before: dict[str, Costs] = field(default_factory=dict)
+    owned: dict[str, set[int]] = field(default_factory=dict)  # their partitions at the change
+
+    @classmethod
+    async def open(cls, run: Run, step: str, incumbents: list[WorkerProc]) -> StepWindow:
+        window = cls(step, list(incumbents))
+        for w in incumbents:
+            window.before[w.name] = await run.fleet.costs(w)
+            window.owned[w.name] = run.fleet.partitions_of(w)
+        return window
+
+    async def close(self, run: Run) -> dict:
+        """Per incumbent: engine idle seconds, tokens discarded, and the part of them that belongs to
+        partitions it owned before the change and owns after it (work that stayed put)."""
+        idle, discarded, stayed = {}, {}, {}
+        for w in self.incumbents:
+            if not w.alive():
+                continue
+            cost = (await run.fleet.costs(w)).since(self.before[w.name])
+            kept = self.owned[w.name] & run.fleet.partitions_of(w)
+            idle[w.name] = round(cost.idle_s, 2)
+            discarded[w.name] = cost.discarded_tokens
+            stayed[w.name] = int(sum(v for p, v in cost.discarded.items() if p in kept))
+        return {"step": self.step, "idle_s": idle, "discarded_tokens": discarded, "discarded_tokens_stayed": stayed}
+
+
 async def _storm(run: Run) -> tuple[float, dict]:
     c = run.config
     sizes = storm_sizes(c.schedule)
     members = await run.start_workers(sizes[0])
-    producing = asyncio.create_task(run.ledger.produce(run.jobs, over_s=c.step_s * len(sizes)))
+    over_s = c.step_s * len(sizes) if c.produce_over_s is None else c.produce_over_s
+    producing = asyncio.create_task(run.ledger.produce(run.jobs, over_s=over_s))
     leaving: list[asyncio.Task] = []
-    steps, departures = [], 0
+    steps, departures, costs = [], 0, []
+    window: StepWindow | None = None
     for size in sizes[1:]:
         await asyncio.sleep(c.step_s)
         run.fleet.check_exits()
+        if window is not None:
+            costs.append(await window.close(run))
         if size > len(members):
+            incumbents = list(members)
+            window = await StepWindow.open(run, "", incumbents)
             members.append(run.fleet.start())
             steps.append(f"+{members[-1].name}")
         else:
             victim = members.pop(run.rng.randrange(len(members)))
+            window = await StepWindow.open(run, "", members)
             departures += 1
             how = "SIGKILL" if departures % 2 == 1 else "SIGTERM"
             leaving.append(asyncio.create_task(run.fleet.depart(victim, how)))
             steps.append(f"-{victim.name} ({how})")
+        window.step = steps[-1]
     last = time.monotonic()
-    await producing
+    # The last step's window closes once its joiner is in the group (or its leaver gone) and the
+    # group had a moment to settle.
+    await asyncio.gather(*(run.fleet.wait_ready(w) for w in members if w.ready_at is None))
     await asyncio.gather(*leaving)
-    return last, {"steps": steps, "sizes": sizes}
+    await asyncio.sleep(min(c.step_s, 5.0))
+    if window is not None:
+        costs.append(await window.close(run))
+    await producing
+    idle = [v for step in costs for v in step["idle_s"].values()]
+    return last, {"steps": steps, "sizes": sizes, "step_costs": costs,
+                  "incumbent_idle_s_max": max(idle, default=0.0),
+                  "discarded_tokens_stayed": sum(sum(step["discarded_tokens_stayed"].values()) for step in costs)}
 
 
 SCENARIO_RUNS: dict[str, Scenario] = {"kill": _kill, "broker-restart": _broker_restart,
@@ -396,7 +458,9 @@ async def run_scenario(config: ChaosConfig, broker: Broker | None = None) -> Cha
             lag: int | None = await ledger.commit_lag()
         except Exception:
             lag = None
+        live_costs = [await fleet.costs(w) for w in fleet.live()]
         exit_codes = await fleet.stop_all()
+        spent = live_costs + [d.costs for d in fleet.departures if d.worker not in exit_codes]
         bound, bound_departed = duplicate_bounds(fleet, leavers)
         first = ledger.first_result_after(last_fault)
         lost = ledger.lost()
@@ -405,6 +469,8 @@ async def run_scenario(config: ChaosConfig, broker: Broker | None = None) -> Cha
             not_ok=ledger.not_ok(), drain_s=drained_at - last_fault if drained else None, commit_lag=lag,
             duplicate_bound=bound, duplicate_bound_departed=bound_departed,
             first_result_s=None if first is None else first - last_fault,
+            tokens_computed=int(sum(c.output_tokens for c in spent)),
+            discarded_tokens=sum(c.discarded_tokens for c in spent),
             unexpected_exits=fleet.unexpected_exits, exit_codes=exit_codes, details=details, lost_ids=lost[:10],
             worker_exits=fleet.exits())
     finally:

@@ -46,6 +46,7 @@ from tokenmill.schemas.job import Job
 __all__ = [
     "AnswerContext",
     "build_result",
+    "computed_tokens",
     "dead_letter",
     "dlq_partition",
     "error_result",
@@ -175,6 +176,16 @@ def expired(fetched: Fetched, job: Job, *, attempt: str, ctx: AnswerContext, log
     return Answer(fetched, [_result_record(result, ctx)], "expired", None, log)
 
 
+def computed_tokens(delta: RequestDelta, *, ran_to_the_end: bool = True) -> int:
+    """Tokens the engine computed for a request by its final delta: prompt tokens prefilled (not
+    served from the prefix cache) and output tokens. An aborted request that produced no token yet
+    counts 0 (how much of its prompt was prefilled is not reported)."""
+    usage = delta.usage
+    if usage is None or (not ran_to_the_end and not usage.completion_tokens):
+        return 0
+    return max(0, usage.prompt_tokens - usage.cached_prompt_tokens) + usage.completion_tokens
+
+
 def finished(job: InFlightJob, delta: RequestDelta, ctx: AnswerContext) -> Answer:
     """The answer of a job from its final delta: its Result, after a dead letter on an engine error."""
     source = _source(job.fetched)
@@ -189,10 +200,11 @@ def finished(job: InFlightJob, delta: RequestDelta, ctx: AnswerContext) -> Answe
     if rec.cut == ERROR_RESULT_TOO_LARGE:
         result = _result_of(rec)  # the error Result that replaced it
     records = [rec]
+    tokens = computed_tokens(delta)
     if result.error is None:  # "error Results carry an error" is checked by the Result itself
-        return Answer(job.fetched, records, result.status, None, job.log)
+        return Answer(job.fetched, records, result.status, None, job.log, tokens)
     # A job that cannot run here (prompt too long), or whose Result the results topic cannot
     # take, is dead-lettered like other bad input, so it can be run again elsewhere.
     code = result.error.code
     records.insert(0, _dead_letter_of(job.fetched, code, result.error.message, ctx))
-    return Answer(job.fetched, records, "error", code, job.log)
+    return Answer(job.fetched, records, "error", code, job.log, tokens)

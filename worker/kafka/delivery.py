@@ -53,12 +53,18 @@ class OffsetDone:
     def submit(self, answer: Answer) -> None:
         f = answer.fetched
         if not self.tracker.complete(f.tp, f.epoch, f.offset):
-            return  # fetched under an older epoch: that offset belongs to a new owner now
+            self.dropped(answer)  # fetched under an older epoch: that offset belongs to a new owner now
+            return
         self.answered += 1
         self.last_answer_at = (time.perf_counter(), time.process_time())
         self.metrics.count_answer(answer.outcome, answer.code)
         answer.log.info("answered", status=answer.outcome, code=answer.code)
         self._progress.set()
+
+    def dropped(self, answer: Answer) -> None:
+        """An answer that will not be delivered (its partition is no longer ours): its work is lost."""
+        if answer.computed_tokens:
+            self.metrics.count_discarded(answer.fetched.tp.partition, "answer_dropped", answer.computed_tokens)
 
     async def settle(self, partitions: Iterable[TopicPartition] | None, timeout_s: float,
                      give_up: Callable[[], bool] = lambda: False) -> int:
@@ -131,6 +137,7 @@ class AtLeastOnce:
                                  on_retry=self.on_retry)
         except PublishAbandoned:
             answer.log.info("answer dropped: partition no longer ours")
+            self.next_step.dropped(answer)
             return
         self.next_step.submit(answer)
 
@@ -184,6 +191,7 @@ class ExactlyOnce:
         f = answer.fetched
         txn = self._txns.get(f.tp)
         if txn is None or not self.tracker.owns(f.tp, f.epoch):
+            self.next_step.dropped(answer)
             return
         txn.add(f.offset, answer.records)
         self.next_step.submit(answer)

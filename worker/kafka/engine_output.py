@@ -12,7 +12,8 @@ jobs (worker/runtime/engine_thread.py). For a delta of a job still in flight:
    too long, token ids outside the vocabulary, a constraint that does not compile) is counted
    once more by the bad-input guard: the guard errs towards stopping, never towards missing.
 
-Deltas of jobs no longer in flight (aborted: revoked partition, shutdown) are dropped.
+Deltas of jobs no longer in flight (aborted: revoked partition, shutdown) are dropped; the last
+one says what the engine had computed for the job, counted as discarded (metrics.py).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any
 
 from aiokafka import TopicPartition
 
-from tokenmill.engine.types import ErrorKind, RequestDelta
+from tokenmill.engine.types import ErrorKind, FinishReason, RequestDelta
 from tokenmill.kafka import answers
 from tokenmill.kafka.answers import AnswerContext
 from tokenmill.kafka.inflight import InFlight
@@ -50,8 +51,11 @@ class EngineOutput:
     def take(self, deltas: list[RequestDelta]) -> None:
         for delta in deltas:
             job = self.inflight.get(delta.request_id)
-            if job is None:
-                continue  # aborted (revoked partition or shutdown)
+            if job is None:  # aborted (revoked partition or shutdown): count what was thrown away
+                if delta.finished and (where := self.inflight.aborted.pop(delta.request_id, None)) is not None:
+                    ran = delta.finish_reason is not FinishReason.ABORTED  # it finished before the abort took
+                    self.metrics.count_discarded(*where, answers.computed_tokens(delta, ran_to_the_end=ran))
+                continue
             if job.job.stream and (delta.new_token_ids or delta.text_delta or delta.finished):
                 payload = answers.token_event(job.job.job_id, job.attempt, job.next_index, delta)
                 if self.tokens.publish(job.job.job_id, payload, job.token_sink):

@@ -25,6 +25,9 @@ class InFlight:
         self.engine_thread = engine_thread
         self.on_refused = on_refused  # (job, reason): a job the engine refused, already forgotten here
         self._jobs: dict[str, InFlightJob] = {}  # request_id -> job, for everything not yet answered
+        # request_id -> (input partition, why) of jobs aborted in the engine, until their last delta
+        # says what was thrown away (engine_output.py counts it)
+        self.aborted: dict[str, tuple[int, str]] = {}
 
     def __len__(self) -> int:
         return len(self._jobs)
@@ -45,19 +48,21 @@ class InFlight:
         del self._jobs[job.request_id]
         self._release(job)
 
-    def abandon(self, job: InFlightJob) -> None:
+    def abandon(self, job: InFlightJob, reason: str = "rebalance") -> None:
         """Forget a job whose answer will not be published (its partition is gone or we stop)."""
         if self._jobs.pop(job.request_id, None) is not None and job.submitted:
-            self.engine_thread.abort(job.request_id)
+            # starts.py answers False for a job it still held back (nothing reached the engine).
+            if self.engine_thread.abort(job.request_id) is not False:
+                self.aborted[job.request_id] = (job.fetched.tp.partition, reason)
             self._release(job)
 
-    def abandon_where(self, predicate: Callable[[InFlightJob], bool]) -> int:
+    def abandon_where(self, predicate: Callable[[InFlightJob], bool], reason: str = "rebalance") -> int:
         """Abandon every job for which predicate(job) holds; returns how many. The held ones leave
         the tenant queue first, so a slot freed here never starts a job that is abandoned next."""
         self.tenants.drop_held(predicate)
         chosen = [job for job in self._jobs.values() if predicate(job)]
         for job in chosen:
-            self.abandon(job)
+            self.abandon(job, reason)
         return len(chosen)
 
     def _submit(self, job: InFlightJob) -> None:

@@ -90,23 +90,27 @@ class StartGate:
         self._waiting[request.request_id] = _Start(request, every_delta, job.fetched, solo)
         self._pump()
 
-    def abort(self, request_id: str) -> None:
-        """A graceful end (revoked, drained, lost): the attempt does not count."""
+    def abort(self, request_id: str) -> bool:
+        """A graceful end (revoked, drained, lost): the attempt does not count. True when the job
+        was in the engine (its last delta will come back, ABORTED)."""
         if not self.enabled:
             self.engine_thread.abort(request_id)
-            return
+            return True
         if self._waiting.pop(request_id, None) is not None:
-            return
+            return False
+        in_engine = False
         start = self._begun.pop(request_id, None)
         if start is None:
             start = self._running.pop(request_id, None)
             if start is None:
-                return
+                return False
             self.engine_thread.abort(request_id)
+            in_engine = True
             if not self.engine_thread.alive:  # the engine failed with the job in it: that counts
                 start.counted = True
         self._ended(request_id, start)
         self._pump()
+        return in_engine
 
     # -- reports ----------------------------------------------------------------------------------
     def take(self, deltas: list[RequestDelta]) -> None:

@@ -59,3 +59,4 @@ class Answer:
     outcome: Outcome
     code: str | None  # the contract's error code, for error and dead_letter
     log: FilteringBoundLogger
+    computed_tokens: int = 0  # what the engine computed for it (prefilled prompt + output tokens), if it ran

@@ -49,6 +49,9 @@ def register(subparsers) -> None:
                    help="rebalance-storm: fleet sizes to walk through, one worker per step (default 1,4,1,3)")
     p.add_argument("--step-seconds", type=float, default=7.5,
                    help="rebalance-storm: seconds between joins and departures (default 7.5)")
+    p.add_argument("--produce-over", type=non_negative_float, default=None, metavar="SECONDS",
+                   help="rebalance-storm: send the jobs over this long (default: the whole storm; 0: all first, "
+                        "a backlog that keeps every engine busy, so idle time is the rebalances')")
     p.add_argument("--drain-timeout", type=float, default=300.0,
                    help="seconds to wait after the last fault for every Result and commit lag 0 (default 300)")
     p.add_argument("--worker-args", default=DEFAULT_WORKER_ARGS,
@@ -75,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
         bootstrap=args.bootstrap_servers, partitions=args.partitions, max_tokens=args.max_tokens, kills=args.kills,
         broker_restarts=args.broker_restarts,
         outage_s=args.outage_seconds, schedule=args.schedule, step_s=args.step_seconds,
+        produce_over_s=args.produce_over,
         drain_timeout_s=args.drain_timeout, worker_args=args.worker_args,
         work_dir=Path(args.work_dir) if args.work_dir else None, seed=args.seed,
     )
