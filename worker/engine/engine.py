@@ -89,7 +89,7 @@ class Engine:
         from tokenmill.engine.attention import get_attention_backend
         from tokenmill.engine.loader import load_model
         from tokenmill.engine.sampler import Sampler
-        from tokenmill.engine.tokenizer import start_loading_tokenizer
+        from tokenmill.engine.tokenizer import load_tokenizer
 
         self.config = config
         self.device = resolve_device(config.device)
@@ -102,7 +102,6 @@ class Engine:
             log.info("CPU engine computes with %d thread(s): %s", self.cpu_threads, why)
             self.cpu_paths = resolve_cpu_paths(config)  # which CPU kernels the model and the backend take
             log.info("CPU paths: %s", self.cpu_paths)
-        tokenizer = start_loading_tokenizer(config.model)  # beside the weights (tokenizer.py says why)
         backend = get_attention_backend(config.attention_backend, self.device, self.cpu_paths)
         self.model, self.model_config = load_model(
             config.model, dtype=config.dtype, device=self.device, attention_backend=backend,
@@ -110,7 +109,7 @@ class Engine:
         )
         self.attention_backend = backend
         graph_mode = resolve_graph_mode(config.cuda_graphs, self.device, backend.name)
-        self.tokenizer = tokenizer.result()
+        self.tokenizer = load_tokenizer(config.model)
         self.served_model_name = config.served_model_name or Path(str(config.model).rstrip("/")).name
         mc = self.model_config
         kv = size_kv_cache(config, mc, self.device, graph_mode)

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -39,25 +37,6 @@ def load_tokenizer(path: str | Path):
         return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True, **_light_config(model_dir))
     except Exception as exc:  # transformers raises many types (OSError, ValueError, ...) for bad files
         raise CheckpointError(f"cannot load the tokenizer in {model_dir}: {exc}") from exc
-
-
-def start_loading_tokenizer(path: str | Path) -> Future:
-    """load_tokenizer(path) on a thread of its own; the tokenizer (or the error) through the Future.
-
-    The engine loads the weights meanwhile: the tokenizer's load is mostly Python (transformers'
-    imports), the weights' copy and packing mostly torch's native code, which lets the GIL go, so
-    on two cores the two overlap. A daemon thread: an engine whose weights fail to load does not
-    keep its process alive until the tokenizer is there."""
-    future: Future = Future()
-
-    def load() -> None:
-        try:
-            future.set_result(load_tokenizer(path))
-        except BaseException as exc:  # handed to the caller, who raises it
-            future.set_exception(exc)
-
-    threading.Thread(target=load, name="tokenizer-load", daemon=True).start()
-    return future
 
 
 def _light_config(model_dir: Path) -> dict[str, Any]:
