@@ -52,6 +52,7 @@ from tokenmill.schemas.openai_batch import (
 )
 from tokenmill.schemas.records import (
     Choice,
+    DeadLetter,
     ErrorInfo,
     PromptLogprob,
     Result,
@@ -93,6 +94,7 @@ __all__ = [
     "STATUS_OK",
     "STOP_MAX_STRINGS",
     "Choice",
+    "DeadLetter",
     "ErrorInfo",
     "InputLine",
     "Job",

@@ -21,7 +21,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from tokenmill.schemas.job import Job
-from tokenmill.schemas.records import Result, TokenEvent
+from tokenmill.schemas.records import DeadLetter, Result, TokenEvent
 
 JSON_DIR = Path(__file__).parent / "json"
 DIALECT = "https://json-schema.org/draft/2020-12/schema"
@@ -31,6 +31,7 @@ SCHEMAS: dict[str, tuple[str, type[BaseModel]]] = {
     "job": ("job", Job),
     "token-event": ("token_event", TokenEvent),
     "result": ("result", Result),
+    "dead-letter": ("dead_letter", DeadLetter),
 }
 
 

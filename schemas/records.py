@@ -256,3 +256,20 @@ class Result(RecordModel):
     def to_json_bytes(self) -> bytes:
         """The wire form (UTF-8 JSON)."""
         return self.model_dump_json().encode()
+
+
+class DeadLetter(RecordModel):
+    """What a dead letter is (value on the dead-letter topic: the input's bytes, unchanged). With a
+    schema registry it travels framed in the `tokenmill.error` header; without one, the same
+    facts are the plain `tokenmill.error.*` and `tokenmill.source.*` headers."""
+
+    code: ErrorCode
+    message: str = Field(min_length=1, description="Why the input could not run, for a person.")
+    source: Source = Field(description="The input record: topic, partition, offset.")
+    worker: str | None = Field(default=None, description="The worker that dead-lettered it.")
+    value_original_bytes: Count | None = Field(
+        default=None, description="Set when the value was cut to fit the dead-letter topic: its full length."
+    )
+
+    def to_json_bytes(self) -> bytes:
+        return self.model_dump_json(exclude_none=True).encode()

@@ -80,11 +80,12 @@ def test_export_module_writes_files(tmp_path):
         check=True,
     )
     assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "dead_letter.schema.json",
         "job.schema.json",
         "result.schema.json",
         "token_event.schema.json",
     ]
-    assert len(proc.stdout.splitlines()) == 3
+    assert len(proc.stdout.splitlines()) == 4
 
 
 @pytest.mark.parametrize(
@@ -181,7 +182,14 @@ def test_result_schema_accepts_error_and_expired():
     v.validate({**base, "status": "expired"})
 
 
-@pytest.mark.parametrize("record", ["job", "token-event", "result"])
+def test_the_dead_letter_schema_takes_what_the_headers_say():
+    info = {"code": "invalid_job", "message": "not JSON", "source": {"topic": "jobs", "partition": 2, "offset": 7},
+            "worker": "w1"}
+    validator("dead-letter").validate(info)
+    assert list(validator("dead-letter").iter_errors({**info, "code": "oops"}))
+
+
+@pytest.mark.parametrize("record", ["job", "token-event", "result", "dead-letter"])
 def test_cli_prints_one_schema(record, capsys):
     assert cli_main(["schema", record]) == 0
     assert capsys.readouterr().out == render(record)

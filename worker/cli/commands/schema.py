@@ -1,10 +1,10 @@
-"""`tokenmill schema [job|token-event|result|all]`: print the contract's JSON Schemas."""
+"""`tokenmill schema [job|token-event|result|dead-letter|all]`: print the contract's JSON Schemas."""
 
 from __future__ import annotations
 
 import argparse
 
-CHOICES = ("job", "token-event", "result", "all")
+CHOICES = ("job", "token-event", "result", "dead-letter", "all")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
