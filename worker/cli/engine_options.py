@@ -79,6 +79,19 @@ def _parser_of(f: dataclasses.Field, kind: type) -> Callable[[str], Any]:
     return parse
 
 
+class _Repeated(argparse.Action):
+    """A repeatable flag of a tuple setting: the values given on the command line, in order. Given
+    once or more, they replace the default and the environment variable's value (which the setting
+    itself splits like shell words)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        given = getattr(namespace, self.dest, None)
+        if given is self.default or not isinstance(given, list):
+            given = []  # the first of this command line
+        given.append(values)
+        setattr(namespace, self.dest, given)
+
+
 def add_engine_options(
     parser: argparse.ArgumentParser, *, model_required: bool = True, exclude: Collection[str] = ()
 ) -> argparse._ArgumentGroup:
@@ -95,6 +108,10 @@ def add_engine_options(
         if kind is bool:
             action = "store_false" if meta["negated_flag"] else "store_true"
             group.add_argument(flag, dest=f.name, action=action, help=meta["help"])
+            continue
+        if typing.get_origin(kind) is tuple:  # a list setting: the flag repeats
+            group.add_argument(flag, dest=f.name, action=_Repeated, default=f.default, metavar="KEY=VALUE",
+                               help=meta["help"])
             continue
         kwargs: dict[str, Any] = {"dest": f.name, "help": meta["help"]}
         if f.default is dataclasses.MISSING:

@@ -1,10 +1,13 @@
 """tokenmill's inference engine: continuous batching over a paged KV cache with prefix caching.
 
 Imports nothing from Kafka, pydantic schemas or boto3 (it must run alone on a GPU machine).
+``create_engine(config)`` makes the engine ``config.backend`` names: this one, or vLLM's behind the
+same interface (worker/engine/backends/).
 """
 
 from typing import TYPE_CHECKING
 
+from tokenmill.engine.backends import EngineDied, EngineLike, create_engine
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.types import (
     EngineRequest,
@@ -22,6 +25,8 @@ from tokenmill.engine.types import (
 __all__ = [
     "Engine",
     "EngineConfig",
+    "EngineDied",
+    "EngineLike",
     "EngineRequest",
     "EngineStats",
     "ErrorKind",
@@ -32,6 +37,7 @@ __all__ = [
     "TokenLogprob",
     "Timing",
     "Usage",
+    "create_engine",
 ]
 
 if TYPE_CHECKING:

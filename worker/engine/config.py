@@ -20,11 +20,25 @@ from tokenmill.engine.fields import problems_of, setting
 CPU_DEFAULT_KV_GB = 2.0
 # The choices of every CPU path setting (kernels/cpu/paths.py) and of the host memory ones.
 CPU_PATH_CHOICES = ("auto", "on", "off")
+BACKENDS = ("tokenmill", "vllm")
 
 
 @dataclass
 class EngineConfig:
     model: str = setting(help="checkpoint directory or s3://bucket/prefix/")
+    # Which engine runs the requests: tokenmill's own, or vLLM's behind the same interface
+    # (worker/engine/backends/; docs/vllm.md says which setting each backend reads).
+    backend: str = setting(
+        "tokenmill", choices=BACKENDS,
+        help="the engine: tokenmill's own, or vLLM's (needs vLLM installed: make vllm-env; docs/vllm.md)",
+    )
+    vllm_args: tuple[str, ...] = setting(
+        (), flag="--vllm-arg",
+        help="backend vllm: one of vLLM's engine arguments as KEY=VALUE (repeatable; VALUE parsed as JSON where "
+             "it parses, else a string), for what tokenmill has no setting of: tensor_parallel_size, "
+             "pipeline_parallel_size, quantization, kv_cache_dtype, enable_lora, max_loras, ...; checked by "
+             "vLLM's EngineArgs at start. The variable holds several, split like shell words",
+    )
     dtype: str = setting("auto", help="weights and KV cache dtype",
                          choices=("auto", "float32", "bfloat16", "float16"))
     device: str = setting("auto", help="auto (cuda if available), cpu, cuda, cuda:N")
@@ -120,6 +134,23 @@ class EngineConfig:
     structured_compile_threads: int = setting(2, minimum=1, help="threads compiling structured_outputs constraints")
 
     def __post_init__(self) -> None:
+        self.vllm_args = _as_items(self.vllm_args)
         problems = problems_of(self, fields(self))
+        if self.backend == "vllm":
+            from tokenmill.engine.backends.vllm.settings import config_problems
+
+            problems += config_problems(self)
+        elif self.vllm_args:
+            problems.append("vllm_args (--vllm-arg) are read by the vllm backend only: add --backend vllm")
         if problems:
             raise ValueError("; ".join(problems))
+
+
+def _as_items(value: object) -> tuple[str, ...]:
+    """vllm_args as a tuple: a list from the flags, or one string (an environment variable) split like
+    shell words, so that a quoted JSON value with spaces stays one item."""
+    if isinstance(value, str):
+        import shlex
+
+        return tuple(shlex.split(value))
+    return tuple(value)  # type: ignore[arg-type]

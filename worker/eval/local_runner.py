@@ -1,4 +1,5 @@
-"""LocalJobRunner: a JobRunner (see worker/eval/lm.py) on an Engine in this process.
+"""LocalJobRunner: a JobRunner (see worker/eval/lm.py) on an Engine in this process (tokenmill's own, or
+vLLM's with ``backend="vllm"`` in the EngineConfig: ``create_engine`` picks it).
 
 The evaluation model hands it all the Jobs of one lm-eval call at once; it feeds them to the
 engine through ``tokenmill.offline.OfflineRunner`` (the driver of ``run-batch`` and local backfill,
@@ -33,7 +34,7 @@ class LocalJobRunner:
     """
 
     def __init__(self, model_dir: str | Path, engine_config: EngineConfig | None = None, progress: bool = False) -> None:
-        from tokenmill.engine import Engine
+        from tokenmill.engine import create_engine
         from tokenmill.offline import OfflineRunner
         from tokenmill.storage import resolve_model_path
 
@@ -46,7 +47,7 @@ class LocalJobRunner:
                     f"engine_config.model is {engine_config.model!r} but the runner was asked for {str(model_dir)!r}"
                 )
             config = dataclasses.replace(engine_config, model=str(local_dir))
-        self.engine = Engine(config)
+        self.engine = create_engine(config)
         self.offline: OfflineRunner[str] = OfflineRunner(self.engine, worker=WORKER_NAME)
         self.model_name: str = self.engine.served_model_name
         self.tokenizer = self.engine.tokenizer

@@ -15,7 +15,9 @@ the end, when they have no stop strings. New tokens are counted from the engine'
 A step that raises for some requests fails only those (the engine finds them, see
 worker/engine/fault_isolation.py): their final deltas say ERROR / INTERNAL with the exception,
 and the loop goes on. Only an exception the engine cannot pin on a request ends the thread,
-through `on_fatal` (the worker stops).
+through `on_fatal` (the worker stops). EngineDied, from a step or from adding a request (vLLM's
+engine core died, or a step stopped answering: worker/engine/backends/), is such an exception
+wherever it comes from: no request is answered for it, the worker stops and its jobs go to another.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import replace
 
+from tokenmill.engine.backends.errors import EngineDied
 from tokenmill.engine.types import EngineRequest, EngineStats, ErrorKind, FinishReason, RequestDelta, Usage
 
 StepCallback = Callable[[list[RequestDelta], EngineStats, int], None]  # deltas, stats, new tokens
@@ -117,6 +120,8 @@ class EngineThread:
                     self.engine.add(request)
                     if every_delta:
                         self._every_delta.add(request.request_id)
+                except EngineDied:
+                    raise  # the engine's end, not this request's: the thread ends, the worker stops
                 except Exception as exc:  # a request the engine refuses must not stop the loop
                     # ValueError is the engine's "this request is invalid" (e.g. token ids outside
                     # the vocabulary); anything else is our failure, not the job's.
