@@ -509,15 +509,54 @@ def test_commit_lag_counts_records_past_the_committed_offset_and_is_removed_on_r
                                           if s.name == "tokenmill_commit_lag")
 
 
+def test_the_oldest_unfinished_job_age_follows_the_lowest_unanswered_offset_per_partition():
+    tracker, consumer, metrics = OffsetTracker(10), FakeConsumer(), WorkerMetrics()
+    tracker.assign([TP])
+    tracker.expect_from(TP, 3)
+    epoch = tracker.epoch(TP)
+    for offset, stamp in ((3, 10_000), (4, 40_000), (5, 50_000)):
+        tracker.track(TP, epoch, offset, timestamp_ms=stamp)
+    loop = CommitLoop(1.0, tracker, None, consumer, metrics, LOG, describe_fetch=dict)
+
+    def age() -> float:
+        return metrics.oldest_job_age.labels("jobs", "1")._value.get()
+
+    loop.update_lag(now_ms=70_000)
+    assert age() == 60.0  # offset 3, written at 10 s
+    tracker.complete(TP, epoch, 4)
+    loop.update_lag(now_ms=71_000)
+    assert age() == 61.0  # 4 finished first: 3 is still the oldest
+    tracker.complete(TP, epoch, 3)
+    loop.update_lag(now_ms=72_000)
+    assert age() == 22.0  # now 5, written at 50 s
+    tracker.complete(TP, epoch, 5)
+    loop.update_lag(now_ms=73_000)
+    assert age() == 0.0  # nothing taken is unanswered
+    loop.forget([TP])
+    assert not [s for m in metrics.registry.collect() for s in m.samples
+                if s.name == "tokenmill_oldest_unfinished_job_age_seconds"]
+
+
 # -- rebalance ----------------------------------------------------------------------------------
-async def test_a_rebalance_starts_epochs_at_the_committed_offset_and_lets_revoked_work_go():
+class GroupConsumer(FakeConsumer):
+    """A FakeConsumer in a group: a generation, and commits the broker keeps."""
+
+    def __init__(self, assigned=(TP,)) -> None:
+        super().__init__(assigned)
+        self._coordinator = SimpleNamespace(generation=1)
+
+    async def commit(self, offsets):
+        await super().commit(offsets)
+        self.committed_offsets.update({tp: v if isinstance(v, int) else v[0] for tp, v in offsets.items()})
+
+
+def _rebalance(revoke_grace_s: float = 0.0):
     from tokenmill.config import WorkerSettings
     from tokenmill.engine.config import EngineConfig
 
     settings = WorkerSettings(bootstrap_servers="h:1", engine=EngineConfig(model="m"), jobs_topic="jobs",
-                              revoke_grace_s=0.2)
-    other = TopicPartition("jobs", 2)
-    tracker, consumer, health, forgotten = OffsetTracker(10), FakeConsumer(), HealthState(), []
+                              revoke_grace_s=revoke_grace_s)
+    tracker, consumer, health, forgotten = OffsetTracker(10), GroupConsumer(), HealthState(), []
     consumer.committed_offsets[TP] = 7
     done = OffsetDone(tracker, WorkerMetrics())
     delivery = AtLeastOnce(FakeProducer(), consumer, tracker, done, LOG, on_retry=lambda exc, n: None)
@@ -525,20 +564,88 @@ async def test_a_rebalance_starts_epochs_at_the_committed_offset_and_lets_revoke
     rebalance = Rebalance(settings, consumer, tracker, delivery, done, inflight,
                           retry=KafkaRetry(LOG, give_up=lambda why: None), stopping=lambda: False,
                           forget=forgotten.append, health=health, log=LOG)
-    await rebalance.on_partitions_assigned({TP, other, TopicPartition("elsewhere", 0)})
-    assert sorted(consumer.seeks) == [(TP, 7), (other, 0)] and health.group_joined
-    assert not tracker.get(TP).accepts(6) and tracker.get(TP).accepts(7)
-    epoch = tracker.epoch(TP)
-    tracker.track(TP, epoch, 7)
-    tracker.track(TP, epoch, 8)
-    job = _job(8, epoch=epoch)
-    inflight.admit(job)
-    asyncio.get_running_loop().call_later(0.05, done.submit, _answer(7, epoch))  # finishes within the grace
-    await rebalance.on_partitions_revoked({TP})
-    assert consumer.commits == [{TP: 8}]  # the answered offset is committed, the unanswered one is not
-    assert thread.aborted == [job.attempt] and tracker.get(TP) is None and forgotten == [{TP}]
-    assert tracker.get(other) is not None
+    return SimpleNamespace(rebalance=rebalance, tracker=tracker, consumer=consumer, health=health, done=done,
+                           forgotten=forgotten, inflight=inflight, thread=thread)
 
+
+async def _running(r, other: TopicPartition):
+    """TP and other assigned; TP has offsets 7 (answered) and 8 (a job in the engine)."""
+    await r.rebalance.on_partitions_assigned({TP, other, TopicPartition("elsewhere", 0)})
+    assert sorted(r.consumer.seeks) == [(TP, 7), (other, 0)] and r.health.group_joined
+    assert not r.tracker.get(TP).accepts(6) and r.tracker.get(TP).accepts(7)
+    epoch = r.tracker.epoch(TP)
+    r.tracker.track(TP, epoch, 7)
+    r.tracker.track(TP, epoch, 8)
+    job = _job(8, epoch=epoch)
+    r.inflight.admit(job)
+    r.done.submit(_answer(7, epoch))
+    return job, epoch
+
+
+async def _next_generation(r, revoked: set[TopicPartition], assigned: set[TopicPartition], step: int = 1) -> None:
+    await r.rebalance.on_partitions_revoked(revoked)
+    r.consumer._coordinator.generation += step
+    r.consumer.seeks.clear()
+    await r.rebalance.on_partitions_assigned(assigned)
+
+
+async def test_a_revoke_commits_the_watermark_and_keeps_the_work_until_the_assignment_says_it_moved():
+    r, other = _rebalance(), TopicPartition("jobs", 2)
+    job, epoch = await _running(r, other)
+    await r.rebalance.on_partitions_revoked({TP, other})
+    assert r.consumer.commits == [{TP: 8}]  # the answered offset is committed, the unanswered one is not
+    assert r.thread.aborted == [] and r.tracker.get(TP).revoking and r.tracker.committable() == []
+    r.consumer._coordinator.generation += 1
+    await r.rebalance.on_partitions_assigned({other})  # TP went to another member
+    assert r.thread.aborted == [job.attempt] and r.tracker.get(TP) is None and r.forgotten == [{TP}]
+    assert r.inflight.aborted == {job.attempt: (TP.partition, "rebalance")}
+    assert r.consumer.commits == [{TP: 8}]  # nothing more committed for a partition that is not ours
+    assert r.tracker.get(other) is not None and r.tracker.committable() == [other]
+
+
+async def test_a_partition_that_comes_back_keeps_its_epoch_and_work_and_fetches_on_where_it_stopped():
+    r, other = _rebalance(), TopicPartition("jobs", 2)
+    job, epoch = await _running(r, other)
+    await _next_generation(r, {TP, other}, {TP, other})
+    assert r.thread.aborted == [] and r.inflight.get(job.attempt) is job and r.forgotten == []
+    assert r.tracker.epoch(TP) == epoch and not r.tracker.get(TP).revoking
+    assert sorted(r.consumer.seeks) == [(TP, 9), (other, 0)]  # past what was fetched: nothing twice
+    r.done.submit(_answer(8, epoch))  # the kept job's answer completes its offset
+    assert r.tracker.in_flight(TP) == 0 and r.tracker.get(TP).commit_point() == 9
+
+
+async def test_a_partition_that_comes_back_changed_is_taken_anew():
+    r, other = _rebalance(), TopicPartition("jobs", 2)
+    job, epoch = await _running(r, other)
+    await r.rebalance.on_partitions_revoked({TP, other})
+    r.consumer.committed_offsets[TP] = 20  # another member had it meanwhile and committed
+    r.consumer._coordinator.generation += 1
+    r.consumer.seeks.clear()
+    await r.rebalance.on_partitions_assigned({TP})
+    assert r.thread.aborted == [job.attempt] and r.tracker.epoch(TP) != epoch
+    assert r.consumer.seeks == [(TP, 20)] and r.forgotten == [{other}, {TP}]
+
+
+async def test_a_partition_back_after_a_missed_generation_keeps_its_work_when_nothing_was_committed():
+    r, other = _rebalance(), TopicPartition("jobs", 2)
+    returned = []
+
+    async def partition_returned(tp, reclaim):
+        returned.append((tp, reclaim))
+
+    r.rebalance.delivery.partition_returned = partition_returned
+    job, epoch = await _running(r, other)
+    await _next_generation(r, {TP, other}, {TP, other}, step=2)  # a join round went by without an assignment
+    assert r.thread.aborted == [] and r.tracker.epoch(TP) == epoch
+    assert sorted(returned) == [(TP, True), (other, True)]  # exactly-once takes the transactional ids back
+
+
+async def test_a_revoke_grace_lets_in_flight_jobs_finish_before_the_commit():
+    r, other = _rebalance(revoke_grace_s=1.0), TopicPartition("jobs", 2)
+    job, epoch = await _running(r, other)
+    asyncio.get_running_loop().call_later(0.05, r.done.submit, _answer(8, epoch))  # within the grace
+    await r.rebalance.on_partitions_revoked({TP})
+    assert r.consumer.commits == [{TP: 9}]
 
 
 async def test_a_token_event_left_out_for_its_size_takes_no_index():

@@ -27,7 +27,9 @@ class WorkerSettings:
     instance_id: str | None = None  # static group membership (group.instance.id)
     worker_name: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
     drain_timeout_s: float = 30.0
-    revoke_grace_s: float = 5.0  # how long a revoked partition's in-flight jobs may finish
+    # How long a revoked partition's in-flight jobs may finish before its commit; 0: the work is
+    # kept until the new assignment (rebalance.py), so waiting would only hold the group up.
+    revoke_grace_s: float = 0.0
     commit_interval_s: float = 1.0
     # How long a broker may be away at start (and for a call an assignment cannot do without)
     # before the worker gives up; an outage while running is waited out for as long as it lasts.

@@ -60,6 +60,13 @@ class WorkerMetrics:
             ["topic", "partition"],
             registry=r,
         )
+        self.oldest_job_age = Gauge(
+            "tokenmill_oldest_unfinished_job_age_seconds",
+            "Age (now minus the record's timestamp) of the oldest input record this worker has taken and not yet "
+            "answered, per partition; 0 when every record taken is answered",
+            ["topic", "partition"],
+            registry=r,
+        )
         self.paused = Gauge("tokenmill_fetch_paused", "1 while fetching is paused by backpressure", registry=r)
         self.broker_reachable = Gauge(
             "tokenmill_broker_reachable", "1 while a broker answers the worker's probe, 0 during an outage", registry=r

@@ -196,20 +196,36 @@ class AttemptCounts:
         """Whether the counts moved since the last successful commit."""
         return self.version != self.committed_version
 
-    def encode(self, commit_point: int, budget: int = METADATA_BUDGET) -> Encoded:
+    def encode(self, commit_point: int, budget: int = METADATA_BUDGET, settled: bool = False) -> Encoded:
         """The metadata for a commit at commit_point; sets `crowded`. Counts below the point
-        (answered) are dropped here."""
+        (answered) are dropped here. `settled`: as if every attempt now running had ended
+        gracefully (a rebalance's commit: a job that moves to another worker must not carry a
+        count for a run this worker chose to stop)."""
         for offset in [o for o in self._counts if o < commit_point]:
             del self._counts[offset]
             self._running.discard(offset)
-        encoded = encode_counts(commit_point, self._counts, budget)
+        counts = self._counts
+        if settled and self._running:
+            counts = {o: c - (o in self._running) for o, c in counts.items()}
+        encoded = encode_counts(commit_point, counts, budget)
         # With no room at all the counts are off; holding starts back would only slow the engine.
         room = budget > len(PLAIN)
         self.crowded = room and (bool(encoded.dropped) or len(encoded.metadata) > budget * 3 // 4)
         return encoded
 
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
     def mark_committed(self, version: int) -> None:
         self.committed_version = max(self.committed_version, version)
+
+    def mark_settled_committed(self) -> None:
+        """A settled commit (see encode) went through: the broker holds fewer counts than the
+        running attempts need, so nothing waiting for a count goes to the engine, and the next
+        commit writes the counts again."""
+        if self._running:
+            self.committed_version = -1
 
 
 async def read_committed(consumer, tp) -> tuple[int | None, str]:
@@ -226,3 +242,17 @@ async def read_committed(consumer, tp) -> tuple[int | None, str]:
     if committed is None or committed.offset < 0:
         return None, ""
     return committed.offset, committed.metadata or ""
+
+
+async def read_committed_many(consumer, tps) -> dict:
+    """read_committed of several partitions in one request (tp -> (offset or None, metadata))."""
+    coordinator = getattr(consumer, "_coordinator", None)
+    if coordinator is None or not hasattr(coordinator, "fetch_committed_offsets"):
+        return {tp: await read_committed(consumer, tp) for tp in tps}
+    found = await coordinator.fetch_committed_offsets(list(tps))
+    out = {}
+    for tp in tps:
+        committed = found.get(tp)
+        out[tp] = (None, "") if committed is None or committed.offset < 0 else \
+            (committed.offset, committed.metadata or "")
+    return out

@@ -1,7 +1,8 @@
 """The worker's aiokafka clients, configured from its settings.
 
 - the consumer: a group member with manual commits, `read_committed` (so the jobs topic may be
-  written transactionally), starting from the beginning when the group committed nothing;
+  written transactionally), starting from the beginning when the group committed nothing, and
+  the sticky assignor (partitions stay where they were across rebalances);
 - the producer: idempotent, acks=all, a short linger, for TokenEvents and at-least-once answers;
 - exactly-once: one transactional producer per input partition (transactions.py);
 - the producers' request and batch sizes follow the output topics' `max.message.bytes`, read
@@ -16,6 +17,9 @@ from collections.abc import Callable
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka.coordinator.assignors.abstract import AbstractPartitionAssignor
+from aiokafka.coordinator.assignors.roundrobin import RoundRobinPartitionAssignor
+from aiokafka.coordinator.assignors.sticky.sticky_assignor import StickyPartitionAssignor
 from aiokafka.errors import KafkaError
 from structlog.typing import FilteringBoundLogger
 
@@ -63,8 +67,19 @@ async def read_topic_limits(s: WorkerSettings, log: FilteringBoundLogger) -> Top
     return limits
 
 
+def sticky_assignor() -> type[AbstractPartitionAssignor]:
+    """aiokafka's sticky assignor (KIP-54) for one consumer. It keeps the member's last assignment
+    in class attributes, which every consumer of the process would share; a subclass of its own
+    per consumer keeps them apart (tests run several workers in one process)."""
+    return type("StickyAssignor", (StickyPartitionAssignor,), {"member_assignment": None, "generation": -1})
+
+
 def new_consumer(s: WorkerSettings) -> AIOKafkaConsumer:
+    # Sticky first: partitions stay with their member across rebalances, so their work goes on
+    # (rebalance.py). Round-robin second, so a group still holding workers of a version before this
+    # one agrees on round-robin until every member speaks sticky.
     return AIOKafkaConsumer(
+        partition_assignment_strategy=(sticky_assignor(), RoundRobinPartitionAssignor),
         group_id=s.group_id,
         group_instance_id=s.instance_id,
         enable_auto_commit=False,

@@ -3,22 +3,26 @@
 The commit point of a partition is the lowest offset not yet answered (or one past the highest
 fetched, when all are answered; offsets.py). How it is committed belongs to the delivery mode
 (delivery.py: the consumer group's offset commit, or one transaction per partition); this loop
-only says when, and leaves partitions in a revoke grace to the rebalance, which commits them
-itself before letting them go. A commit that fails (the broker is away) is tried again on the
-next tick.
+only says when, and leaves revoked partitions to the rebalance, which commits them itself at the
+revoke and leaves them alone until the new assignment says whether they stay. A commit that
+fails (the broker is away) is tried again on the next tick.
 
 The loop is also woken at once (`wake`) when jobs wait to start: their crash attempts must be
 in a committed offset's metadata before they enter the engine (starts.py). After every commit
 round, `on_committed` hands those jobs on. Lag is reported on the interval only.
 
 `tokenmill_commit_lag{topic,partition}` is the number of records between the committed offset
-(the commit point, before the first commit) and the partition's end; a revoked partition's
-series is removed, so a dashboard shows only what this worker owns.
+(the commit point, before the first commit) and the partition's end, and
+`tokenmill_oldest_unfinished_job_age_seconds{topic,partition}` the age of the oldest record taken
+and not answered (now minus its timestamp; 0 when everything taken is answered): lag as a count
+and lag in time. A revoked partition's series are removed, so a dashboard shows only what this
+worker owns.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -62,32 +66,37 @@ class CommitLoop:
                 next_tick = loop.time() + self.interval_s
                 self.log.debug("commit tick", partitions=[tp.partition for tp in owned],
                                in_flight=self.tracker.in_flight(), **self.describe_fetch())
-            await self.delivery.commit([tp for tp in owned if not self._revoking(tp)])
+            await self.delivery.commit(self.tracker.committable())
             self.on_committed()
             if tick:
                 self.update_lag()
 
-    def _revoking(self, tp: TopicPartition) -> bool:
-        part = self.tracker.get(tp)
-        return part is None or part.revoking
-
-    def update_lag(self) -> None:
+    def update_lag(self, now_ms: float | None = None) -> None:
+        now_ms = time.time() * 1000 if now_ms is None else now_ms
         for tp in self.tracker.partitions():
             part = self.tracker.get(tp)
+            if part is None:
+                continue
+            label = (tp.topic, str(tp.partition))
+            oldest = part.oldest_pending_timestamp_ms()
+            self.metrics.oldest_job_age.labels(*label).set(0.0 if oldest is None else max(0.0, (now_ms - oldest) / 1000))
+            self._lag_labels.add(label)
             high = self.consumer.highwater(tp)
-            if part is None or high is None:
+            if high is None:
                 continue
             committed = part.last_committed if part.last_committed is not None else part.commit_point()
             if committed is None:
                 continue
-            label = (tp.topic, str(tp.partition))
             self.metrics.commit_lag.labels(*label).set(max(0, high - committed))
-            self._lag_labels.add(label)
 
     def forget(self, partitions: Iterable[TopicPartition]) -> None:
         """Remove the lag series of partitions this worker no longer owns."""
         for tp in partitions:
             label = (tp.topic, str(tp.partition))
             if label in self._lag_labels:
-                self.metrics.commit_lag.remove(*label)
+                for gauge in (self.metrics.commit_lag, self.metrics.oldest_job_age):
+                    try:
+                        gauge.remove(*label)
+                    except KeyError:
+                        pass
                 self._lag_labels.discard(label)

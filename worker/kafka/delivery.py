@@ -108,11 +108,13 @@ class Delivery(Protocol):
 
     async def submit(self, answer: Answer) -> None: ...
 
-    async def commit(self, partitions: Iterable[TopicPartition]) -> None: ...
+    async def commit(self, partitions: Iterable[TopicPartition], settled: bool = False) -> None: ...
 
     async def partition_assigned(self, tp: TopicPartition) -> None: ...
 
     async def partition_revoked(self, tp: TopicPartition) -> None: ...
+
+    async def partition_returned(self, tp: TopicPartition, reclaim: bool) -> None: ...
 
     async def close(self) -> None: ...
 
@@ -141,11 +143,11 @@ class AtLeastOnce:
             return
         self.next_step.submit(answer)
 
-    async def commit(self, partitions: Iterable[TopicPartition]) -> None:
+    async def commit(self, partitions: Iterable[TopicPartition], settled: bool = False) -> None:
         snapshots = {}
         for tp in partitions:
             part = self.tracker.get(tp)
-            snap = part.commit_snapshot(self.budget.bytes) if part is not None else None
+            snap = part.commit_snapshot(self.budget.bytes, settled) if part is not None else None
             if snap is not None:
                 snapshots[tp] = (part, snap)
                 self.budget.note_dropped(tp, snap, self.log)
@@ -161,12 +163,15 @@ class AtLeastOnce:
             return
         for tp, (part, snap) in snapshots.items():
             if self.tracker.get(tp) is part:  # not re-assigned meanwhile (a new epoch has its own counts)
-                part.mark_committed(snap.offset, snap.version)
+                part.mark_committed(snap.offset, snap.version, snap.metadata)
 
     async def partition_assigned(self, tp: TopicPartition) -> None:
         pass
 
     async def partition_revoked(self, tp: TopicPartition) -> None:
+        pass
+
+    async def partition_returned(self, tp: TopicPartition, reclaim: bool) -> None:
         pass
 
     async def close(self) -> None:
@@ -196,12 +201,12 @@ class ExactlyOnce:
         txn.add(f.offset, answer.records)
         self.next_step.submit(answer)
 
-    async def commit(self, partitions: Iterable[TopicPartition]) -> None:
+    async def commit(self, partitions: Iterable[TopicPartition], settled: bool = False) -> None:
         for tp in partitions:
             txn, part = self._txns.get(tp), self.tracker.get(tp)
             if txn is None or part is None:
                 continue
-            snap = part.commit_snapshot(self.budget.bytes)
+            snap = part.commit_snapshot(self.budget.bytes, settled)
             if snap is None:
                 continue  # the offset and its counts are committed already
             self.budget.note_dropped(tp, snap, self.log)
@@ -209,7 +214,7 @@ class ExactlyOnce:
                 await txn.flush(snap.offset, snap.metadata)
                 if (txn.last_committed, txn.last_metadata) == (snap.offset, snap.metadata) and \
                         self.tracker.get(tp) is part:
-                    part.mark_committed(snap.offset, snap.version)
+                    part.mark_committed(snap.offset, snap.version, snap.metadata)
             except OffsetMetadataTooLargeError:
                 self.budget.halve(self.log)
             except PartitionFenced:
@@ -228,6 +233,14 @@ class ExactlyOnce:
         txn = self._txns.pop(tp, None)
         if txn is not None:
             await txn.stop()
+
+    async def partition_returned(self, tp: TopicPartition, reclaim: bool) -> None:
+        """A revoked partition came back with its work (rebalance.py): its staged answers stay.
+        `reclaim`: another member may have initialised its transactional id meanwhile; initialise
+        it again (a new producer), which fences that member and aborts what it left open."""
+        txn = self._txns.get(tp)
+        if txn is not None and reclaim:
+            await self.retry(txn.restart, f"initialise transactions of partition {tp.partition} again")
 
     async def close(self) -> None:
         for tp in list(self._txns):

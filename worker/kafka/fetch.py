@@ -92,13 +92,13 @@ class Fetcher:
             return True
         if not part.has_room():
             return False
-        part.track(rec.offset)
+        part.track(rec.offset, getattr(rec, "timestamp", None))
         if self._epoch_start.get(tp, (None,))[0] != part.epoch:
             self._epoch_start[tp] = (part.epoch, rec.offset)
         if self.first_fetch_at is None:
             self.first_fetch_at = (time.perf_counter(), time.process_time())
         self.metrics.jobs_in.inc()
-        self.take(Fetched(tp, part.epoch, rec.offset, rec.key, rec.value))
+        self.take(Fetched(tp, part.epoch, rec.offset, rec.key, rec.value, getattr(rec, "timestamp", None)))
         return True
 
     def engine_load(self, waiting: int, kv_usage: float) -> bool:

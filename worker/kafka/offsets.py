@@ -45,8 +45,13 @@ class PartitionOffsets:
     _base: int | None = None  # first offset tracked in this epoch
     _start: int | None = None  # where this epoch's fetching begins (committed offset), if known
     last_committed: int | None = None
-    revoking: bool = False  # in a rebalance's grace: answers still complete, nothing new is taken
+    # What the group's committed offset of this partition holds if nobody else committed since: the
+    # (offset, metadata) found at assignment, then each of this owner's commits. A rebalance that
+    # gives the partition back keeps its work only when the broker still holds this (rebalance.py).
+    expected_commit: tuple[int | None, str] = (None, "")
+    revoking: bool = False  # revoked, the new assignment not known yet: answers complete, nothing new is taken
     attempts: AttemptCounts = field(default_factory=AttemptCounts)  # crash attempts, in the commit's metadata
+    _stamps: dict[int, int] = field(default_factory=dict)  # offset -> record timestamp (ms), while pending
 
     def expect_from(self, offset: int | None) -> None:
         """The epoch's start position (the committed offset), if known: lower offsets are refused."""
@@ -63,13 +68,15 @@ class PartitionOffsets:
         floor = self.next_expected
         return floor is None or offset >= floor
 
-    def track(self, offset: int) -> None:
+    def track(self, offset: int, timestamp_ms: int | None = None) -> None:
         """Record a fetched offset as outstanding. Offsets must arrive in increasing order."""
         if not self.accepts(offset):
             raise ValueError(f"offset {offset} tracked out of order (next expected >= {self.next_expected})")
         if self._base is None:
             self._base = offset
         self._pending.add(offset)
+        if timestamp_ms is not None and timestamp_ms >= 0:
+            self._stamps[offset] = timestamp_ms
         heapq.heappush(self._heap, offset)
         self._next_fetch = offset + 1
 
@@ -78,6 +85,7 @@ class PartitionOffsets:
         if offset not in self._pending:
             return False
         self._pending.remove(offset)
+        self._stamps.pop(offset, None)
         self.attempts.forget(offset)
         while self._heap and self._heap[0] not in self._pending:
             heapq.heappop(self._heap)
@@ -89,6 +97,10 @@ class PartitionOffsets:
     @property
     def in_flight(self) -> int:
         return len(self._pending)
+
+    def oldest_pending_timestamp_ms(self) -> int | None:
+        """The timestamp of the lowest offset not yet answered (None: nothing pending, or no timestamp)."""
+        return self._stamps.get(self._heap[0]) if self._heap else None
 
     def commit_point(self) -> int | None:
         """The offset to commit (next record to read after a restart), or None if nothing fetched."""
@@ -111,19 +123,27 @@ class PartitionOffsets:
         point = self.commit_point()
         return point is not None and (point != self.last_committed or self.attempts.changed)
 
-    def commit_snapshot(self, budget: int = METADATA_BUDGET) -> CommitSnapshot | None:
-        """What to commit now (the point, its metadata, the counts' version), None if nothing."""
-        if not self.needs_commit():
+    def commit_snapshot(self, budget: int = METADATA_BUDGET, settled: bool = False) -> CommitSnapshot | None:
+        """What to commit now (the point, its metadata, the counts' version), None if nothing.
+        `settled`: the counts as if every running attempt had ended (attempts.py; a rebalance)."""
+        if not self.needs_commit() and not (settled and self.attempts.running):
             return None
         point = self.commit_point()
         assert point is not None
-        encoded = self.attempts.encode(point, budget)
-        return CommitSnapshot(point, encoded.metadata, self.attempts.version, encoded.dropped)
+        encoded = self.attempts.encode(point, budget, settled=settled)
+        version = SETTLED if settled and self.attempts.running else self.attempts.version
+        return CommitSnapshot(point, encoded.metadata, version, encoded.dropped)
 
-    def mark_committed(self, offset: int, attempts_version: int | None = None) -> None:
+    def mark_committed(self, offset: int, attempts_version: int | None = None, metadata: str = "") -> None:
         self.last_committed = offset
-        if attempts_version is not None:
+        self.expected_commit = (offset, metadata)
+        if attempts_version == SETTLED:
+            self.attempts.mark_settled_committed()
+        elif attempts_version is not None:
             self.attempts.mark_committed(attempts_version)
+
+
+SETTLED = -1  # a CommitSnapshot's version when its counts leave out the running attempts
 
 
 @dataclass(frozen=True)
@@ -190,11 +210,11 @@ class OffsetTracker(Generic[K]):
         part = self._parts.get(tp)
         return part.epoch if part else None
 
-    def track(self, tp: K, epoch: int, offset: int) -> None:
+    def track(self, tp: K, epoch: int, offset: int, timestamp_ms: int | None = None) -> None:
         part = self.get(tp, epoch)
         if part is None:
             raise KeyError(f"partition {tp} is not owned under epoch {epoch}")
-        part.track(offset)
+        part.track(offset, timestamp_ms)
 
     def complete(self, tp: K, epoch: int, offset: int) -> bool:
         """Mark done; returns False (and changes nothing) for a stale epoch or unknown offset."""
@@ -203,6 +223,11 @@ class OffsetTracker(Generic[K]):
 
     def partitions(self) -> list[K]:
         return list(self._parts)
+
+    def committable(self) -> list[K]:
+        """The partitions this owner may commit now: not revoked (a revoked one waits for the
+        new assignment to say whether it stays)."""
+        return [tp for tp, part in self._parts.items() if not part.revoking]
 
     def last_committed(self) -> dict[K, int | None]:
         """The offset last committed for each owned partition (None before the first commit)."""

@@ -7,8 +7,11 @@ for the counts):
 1. It waits in fetch order. A job whose count is at least `solo_from` is a suspect: it may be the
    one that killed the workers before. A suspect waits until no other job of this worker is in
    the engine, then runs alone; nothing else starts until it ends. A job of a `crowded`
-   partition (its counts near the metadata budget) waits while others run, and a job of a
-   partition in a revoke grace waits to be abandoned.
+   partition (its counts near the metadata budget) waits while others run. A job of a revoked
+   partition (rebalance.py: its work is kept until the new assignment) goes to the engine at
+   once, counted but without waiting for a commit, which cannot be made for it now; its count
+   goes with the first commit after the partition comes back (a worker that dies in between
+   misses that one count). A suspect of a revoked partition waits for it to come back.
 2. Its count goes up by one (`begin`) and the commit loop is woken.
 3. Once a commit carrying that count has succeeded (`after_commit`), the job goes to the engine.
 4. Its final delta (`take`) or an abort ends the attempt: the count is back to what it was.
@@ -131,11 +134,14 @@ class StartGate:
                 del self._begun[request_id]
                 if self._solo == request_id:
                     self._solo = None
-            elif part.attempts.committed_version >= start.version:
-                del self._begun[request_id]
-                self._running[request_id] = start
-                self.engine_thread.submit(start.request, every_delta=start.every_delta)
+            elif part.attempts.committed_version >= start.version or (part.revoking and not start.solo):
+                self._run(request_id)
         self._pump()
+
+    def _run(self, request_id: str) -> None:
+        start = self._begun.pop(request_id)
+        self._running[request_id] = start
+        self.engine_thread.submit(start.request, every_delta=start.every_delta)
 
     # -- inside ---------------------------------------------------------------------------------
     def _part(self, fetched: Fetched) -> PartitionOffsets | None:
@@ -158,9 +164,13 @@ class StartGate:
             if part is None:
                 del self._waiting[request_id]
                 continue
-            if part.revoking:
-                continue
             busy = bool(self._begun or self._running)
+            if part.revoking:  # no commit can carry its count now: it runs, the count goes with the next one
+                if start.solo:
+                    break  # a suspect waits for the partition to come back, and nothing after it starts
+                self._begin(request_id, start, part)
+                self._run(request_id)
+                continue
             if start.solo:
                 if not busy:
                     self._begin(request_id, start, part)

@@ -68,6 +68,12 @@ class PartitionTransactions:
         await producer.start()
         self._producer = producer
 
+    async def restart(self) -> None:
+        """A new producer for the same id (initialising it again); the staged answers stay."""
+        async with self._lock:
+            await self._discard_producer()
+            await self.start()
+
     def add(self, offset: int, records: list[OutRecord]) -> None:
         self._ready[offset] = records
 

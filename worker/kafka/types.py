@@ -31,6 +31,8 @@ class Fetched:
     offset: int
     key: bytes | None
     value: bytes | None
+    timestamp_ms: int | None = None  # the record's timestamp (CreateTime or LogAppendTime)
+    headers: tuple[tuple[str, bytes], ...] = ()
 
 
 @dataclass(eq=False)

@@ -29,9 +29,10 @@ Life of one input record, with the file of each step:
    as the delivery mode does it: a group offset commit, or the transaction with the staged
    answers. rebalance.py commits on revoke, the drain here at shutdown.
 
-rebalance.py: a revoked partition gets a short grace for its in-flight jobs, its watermark is
-committed, the rest is aborted and left for the new owner; anything of it that completes later
-carries a stale epoch and is dropped.
+rebalance.py: a revoked partition's watermark is committed and its work kept until the new
+assignment is known (the sticky assignor keeps most partitions where they were); a partition that
+comes back goes on where it was, one that went elsewhere is aborted and left for its new owner;
+anything of it that completes later carries a stale epoch and is dropped.
 
 The broker away: at start, the clients are started once a broker answers, waiting up to
 --broker-wait-timeout (retry.py's BrokerWait; then exit code 5 with the reason); each try is a
@@ -323,7 +324,8 @@ class KafkaWorker:
         self.commits = CommitLoop(s.commit_interval_s, tracker, self.delivery, self.consumer, metrics, log,
                                   describe_fetch=self.fetcher.describe, on_committed=self.starts.after_commit)
         self.rebalance = Rebalance(s, self.consumer, tracker, self.delivery, self.done, self.inflight, retry=retry,
-                                   stopping=self._stop.is_set, forget=self._forget, health=self.health, log=log)
+                                   stopping=self._stop.is_set, forget=self._forget, health=self.health, log=log,
+                                   wake_commit=self._commit_now)
         self.broker_watch = BrokerWatch(self.producer.client.force_metadata_update, self._on_broker_change, log)
         self.engine_thread = engine_thread
         engine_thread.start()
@@ -341,7 +343,7 @@ class KafkaWorker:
             self.log.warning("drain timeout: abandoning in-flight jobs (they are redelivered)", abandoned=left)
         # Abandoned before the last commit, so that it carries their crash attempts as they were.
         self.inflight.abandon_where(lambda job: True)
-        await self.delivery.commit(self.tracker.partitions())
+        await self.delivery.commit(self.tracker.committable())  # a revoked one is no longer ours to commit
         committed = {f"{tp.topic}:{tp.partition}": offset for tp, offset in self.tracker.last_committed().items()}
         # uncommitted: fetched, not committed; the next owner reads it again (a commit that failed)
         self.log.info("drained", abandoned=left, committed=committed, uncommitted=self.fetcher.uncommitted())

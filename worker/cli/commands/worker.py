@@ -42,8 +42,9 @@ def register(subparsers) -> None:
     d = p.add_argument_group("Delivery")
     d.add_argument("--drain-timeout", type=non_negative_float, default=30.0,
                    help="seconds in-flight jobs get to finish on shutdown (default 30)")
-    d.add_argument("--revoke-grace", type=non_negative_float, default=5.0,
-                   help="seconds a revoked partition's in-flight jobs get to finish (default 5)")
+    d.add_argument("--revoke-grace", type=non_negative_float, default=0.0,
+                   help="seconds a revoked partition's in-flight jobs get to finish before its commit (default 0: "
+                        "the work is kept until the new assignment, and aborted only where the partition moved)")
     d.add_argument("--max-inflight-per-partition", type=positive_int, default=1024,
                    help="cap on offsets between a partition's commit point and its fetch position")
     d.add_argument("--max-inflight-per-tenant", type=int, default=0,
@@ -136,7 +137,8 @@ def run(args) -> int:
         return 2
     # The model folder (or s3:// prefix) before anything loads; the broker is not checked here: a
     # worker that starts before Kafka waits for it (--broker-wait-timeout) while its model loads.
-    problems = preflight.model(args.model) or preflight.remote_model(args.model)
+    problems = (preflight.model(args.model, backend=args.backend)
+                or preflight.remote_model(args.model, backend=args.backend))
     if problems:
         return preflight.fail("tokenmill worker", problems)
 
