@@ -94,6 +94,17 @@ def test_an_unsupported_architecture_and_a_missing_tokenizer_are_named(broken_mo
     ]
 
 
+def test_a_checkpoint_for_vllm_may_be_of_any_architecture_with_bin_weights(broken_model):
+    config = json.loads((broken_model / "config.json").read_text())
+    config.update(model_type="gpt2", architectures=["GPT2LMHeadModel"])
+    (broken_model / "config.json").write_text(json.dumps(config))
+    for weights in broken_model.glob("*.safetensors*"):
+        weights.rename(weights.with_name("pytorch_model.bin"))
+    assert preflight.model(str(broken_model), backend="vllm") == []
+    assert preflight.model(str(broken_model), weights=False, backend=None) == []  # a fleet's unknown engine
+    assert len(preflight.model(str(broken_model))) == 2  # tokenmill's engine: the architecture, the weights
+
+
 def test_a_whole_checkpoint_passes_and_the_tokenizer_only_check_skips_the_weights(tiny_model_dir, broken_model):
     assert checkpoint_problems(tiny_model_dir) == []
     for weights in broken_model.glob("*.safetensors*"):

@@ -77,10 +77,13 @@ def folder(path: str, what: str) -> list[str]:
     return []
 
 
-def model(model_arg: str, what: str = "--model", *, weights: bool = True) -> list[str]:
-    """A local checkpoint folder: config.json of a supported architecture, a tokenizer and, with
-    ``weights``, safetensors weights (``weights=False``: a command that needs only the tokenizer
-    and config). An ``s3://`` model is remote_model's; here only its URL is read."""
+def model(model_arg: str, what: str = "--model", *, weights: bool = True, backend: str | None = "tokenmill") -> list[str]:
+    """A local checkpoint folder: config.json of an architecture the engine serves, a tokenizer and,
+    with ``weights``, the weights (``weights=False``: a command that needs only the tokenizer and
+    config). ``backend``: the engine that will load it; tokenmill's serves the architectures of
+    tokenmill.engine.checkpoint_files, another ("vllm", or None where the engine is not known here,
+    as for a fleet's workers) any, and .bin weights too. An ``s3://`` model is remote_model's; here
+    only its URL is read."""
     from tokenmill.storage.s3 import is_s3_url, parse_s3_url
 
     if is_s3_url(model_arg):
@@ -91,10 +94,11 @@ def model(model_arg: str, what: str = "--model", *, weights: bool = True) -> lis
         return []
     from tokenmill.engine.checkpoint_files import checkpoint_problems
 
-    return [f"{what}: {p}" for p in checkpoint_problems(model_arg, weights=weights)]
+    return [f"{what}: {p}" for p in checkpoint_problems(model_arg, weights=weights, ours=backend == "tokenmill")]
 
 
-def remote_model(model_arg: str, what: str = "--model", *, weights: bool = True) -> list[str]:
+def remote_model(model_arg: str, what: str = "--model", *, weights: bool = True,
+                 backend: str | None = "tokenmill") -> list[str]:
     """An ``s3://`` model: the bucket answers with these credentials and the prefix holds a
     checkpoint (one listing, one read of config.json); [] for a local folder (``model``'s)."""
     from tokenmill.storage.s3 import is_s3_url
@@ -103,7 +107,7 @@ def remote_model(model_arg: str, what: str = "--model", *, weights: bool = True)
         return []
     from tokenmill.storage.checkpoint import s3_checkpoint_problems
 
-    return [f"{what}: {p}" for p in s3_checkpoint_problems(model_arg, weights=weights)]
+    return [f"{what}: {p}" for p in s3_checkpoint_problems(model_arg, weights=weights, ours=backend == "tokenmill")]
 
 
 def broker(bootstrap_servers: str, what: str = "--bootstrap-servers", timeout_s: float = BROKER_TIMEOUT_S) -> list[str]:

@@ -88,9 +88,10 @@ def no_tokenizer_message(model_dir: Path) -> str:
     return f"{model_dir} has no tokenizer (expected one of {', '.join(TOKENIZER_FILES)})"
 
 
-def checkpoint_problems(model_dir: str | Path, *, weights: bool = True) -> list[str]:
+def checkpoint_problems(model_dir: str | Path, *, weights: bool = True, ours: bool = True) -> list[str]:
     """Every reason the folder cannot be served, each naming the folder; [] when it looks whole.
-    ``weights=False`` leaves the weights out (a command that needs only the tokenizer and config).
+    ``weights=False`` leaves the weights out (a command that needs only the tokenizer and config);
+    ``ours=False`` is a checkpoint for another engine (vLLM): any architecture, and .bin weights too.
 
     Reads only file names and config.json: the weights' tensors and the tokenizer's contents are
     the loader's to check."""
@@ -103,16 +104,20 @@ def checkpoint_problems(model_dir: str | Path, *, weights: bool = True) -> list[
         problems.append(f"{path} has no {CONFIG_FILE}: not a checkpoint folder")
     else:
         try:
-            architecture(read_json(config_path))
+            config = read_json(config_path)
+            if ours:
+                architecture(config)
         except CheckpointError as exc:
             problems.append(f"{config_path}: {exc}")
         except OSError as exc:
             problems.append(f"cannot read {config_path}: {exc.strerror or exc}")
     if not has_tokenizer(path):
         problems.append(no_tokenizer_message(path))
-    if weights:
+    if weights and ours:
         try:
             weight_files(path)
         except CheckpointError as exc:
             problems.append(str(exc))
+    elif weights and not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
+        problems.append(f"{path} has no weights: no *.safetensors or *.bin file")
     return problems

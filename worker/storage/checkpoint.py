@@ -275,11 +275,13 @@ def _checking_client(timeout_s: float):
     ))
 
 
-def s3_checkpoint_problems(model_url: str, *, weights: bool = True, timeout_s: float = CHECK_TIMEOUT_S) -> list[str]:
+def s3_checkpoint_problems(model_url: str, *, weights: bool = True, ours: bool = True,
+                           timeout_s: float = CHECK_TIMEOUT_S) -> list[str]:
     """What a command checks of an s3:// model before it loads anything (worker/cli/preflight.py):
-    the URL parses, the bucket answers these credentials, and the prefix holds a config.json of a
-    supported architecture, a tokenizer and (with ``weights``) safetensors weights. One listing and
-    one read of config.json; [] when all is there (the download checks sizes and ETags itself)."""
+    the URL parses, the bucket answers these credentials, and the prefix holds a config.json (of an
+    architecture tokenmill's engine serves, unless ``ours`` is False: another engine's checkpoint), a
+    tokenizer and (with ``weights``) weights. One listing and one read of config.json; [] when all is
+    there (the download checks sizes and ETags itself)."""
     from tokenmill.engine.checkpoint_files import (
         CONFIG_FILE,
         TOKENIZER_FILES,
@@ -305,7 +307,8 @@ def s3_checkpoint_problems(model_url: str, *, weights: bool = True, timeout_s: f
             body = client.get_object(Bucket=src.bucket, Key=src.prefix + CONFIG_FILE)["Body"].read()
             try:
                 config = json.loads(body)
-                architecture(config if isinstance(config, dict) else {})
+                if ours:
+                    architecture(config if isinstance(config, dict) else {})
             except ValueError as exc:  # CheckpointError and bad JSON alike
                 reason = exc if isinstance(exc, CheckpointError) else f"not valid JSON: {exc}"
                 problems.append(f"{where}{CONFIG_FILE}: {reason}")
@@ -313,8 +316,9 @@ def s3_checkpoint_problems(model_url: str, *, weights: bool = True, timeout_s: f
         return [f"cannot read {where}: {exc}"]
     if not names & set(TOKENIZER_FILES):
         problems.append(f"{where} has no tokenizer (expected one of {', '.join(TOKENIZER_FILES)})")
-    if weights and not any(n.endswith(".safetensors") for n in names):
-        problems.append(f"{where} has no safetensors weights")
+    suffixes = (".safetensors",) if ours else (".safetensors", ".bin")
+    if weights and not any(n.endswith(suffixes) for n in names):
+        problems.append(f"{where} has no {'safetensors ' if ours else ''}weights")
     return problems
 
 

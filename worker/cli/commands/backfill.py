@@ -105,9 +105,9 @@ def problems(args: argparse.Namespace) -> list[str]:
         if path and not is_s3_url(path):
             found += preflight.output_file(path, flag, input_path=None if is_s3_url(args.input) else args.input)
     if args.engine == "local" and args.model:  # without --model the backend names what is missing
-        found += preflight.model(args.model)
+        found += preflight.model(args.model, backend=args.backend)
         if not found:
-            found = preflight.remote_model(args.model)
+            found = preflight.remote_model(args.model, backend=args.backend)
     return found
 
 

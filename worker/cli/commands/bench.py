@@ -54,7 +54,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def model_problems(name: str) -> list[str]:
+def model_problems(name: str, backend: str = "tokenmill") -> list[str]:
     """A bundled model name (tiny-llama is built on first use; smollm2 needs its package or its cached
     conversion) or a checkpoint folder, checked without torch."""
     if name == "tiny-llama":
@@ -64,13 +64,13 @@ def model_problems(name: str) -> list[str]:
 
         reason = unavailable_reason()
         return [f"--model smollm2: {reason}"] if reason else []
-    return preflight.model(name)
+    return preflight.model(name, backend=backend)
 
 
 def problems(args: argparse.Namespace) -> list[str]:
     """Everything wrong with the flags, the model and the report's path, found before torch loads;
     then, only when there is none, whether the given broker answers (the kafka workload)."""
-    found = model_problems(args.model)
+    found = model_problems(args.model, args.backend)
     if args.json:
         found += preflight.output_file(args.json, "--json")
     if args.memory_tokens is not None and args.workload != "score":

@@ -160,12 +160,14 @@ def problems(args: argparse.Namespace) -> list[str]:
     if args.bootstrap_servers and args.state:
         found += preflight.output_file(args.state, "--state")
     fleet = bool(args.bootstrap_servers)
-    found += preflight.model(args.model, weights=not fleet)  # through Kafka: the tokenizer and config only
+    # Through Kafka: the tokenizer and config only, for workers whose engine is not known here.
+    backend = None if fleet else args.backend
+    found += preflight.model(args.model, weights=not fleet, backend=backend)
     if not _lm_eval_installed():
         found.append(INSTALL_HINT)
     if found:
         return found
-    return [*preflight.remote_model(args.model, weights=not fleet),
+    return [*preflight.remote_model(args.model, weights=not fleet, backend=backend),
             *(preflight.broker(args.bootstrap_servers) if fleet else [])]
 
 

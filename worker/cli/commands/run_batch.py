@@ -49,13 +49,13 @@ def problems(args: argparse.Namespace) -> list[str]:
     found = [
         *preflight.input_file(args.input, "input"),
         *preflight.output_file(args.output, "output", input_path=args.input),
-        *preflight.model(args.model),
+        *preflight.model(args.model, backend=args.backend),
     ]
     try:  # the settings' cross-field rules (each flag's own bounds were argparse's)
         engine_config_from_args(args, args.model, served_model_name=served_model_name(args))
     except ValueError as exc:
         found.append(str(exc))
-    return found or preflight.remote_model(args.model)
+    return found or preflight.remote_model(args.model, backend=args.backend)
 
 
 def build_runner(args: argparse.Namespace):
