@@ -66,7 +66,7 @@ class _Converter:
             if prop not in required and not (isinstance(t, list) and t[0] == "null"):
                 t = ["null", t]
             field: dict[str, Any] = {"name": prop, "type": t}
-            if isinstance(t, list) and t[0] == "null":
+            if prop not in required:  # a required field that may be null keeps its null when read back
                 field["default"] = None
             fields.append(field)
         return {"type": "record", "name": name, "namespace": NAMESPACE, "fields": fields}
@@ -90,7 +90,7 @@ def _walk(schema: Any, value: Any, named: dict[str, Any], out: bool) -> Any:
     if isinstance(schema, dict) and schema["type"] == "record":
         named.setdefault(f"{NAMESPACE}.{schema['name']}", schema)
         return {f["name"]: _walk(f["type"], value.get(f["name"]), named, out) for f in schema["fields"]
-                if out or value.get(f["name"]) is not None}
+                if out or value.get(f["name"]) is not None or "default" not in f}
     if isinstance(schema, dict) and schema["type"] == "array":
         return [_walk(schema["items"], v, named, out) for v in value]
     return value

@@ -28,4 +28,5 @@ pytest_plugins = [
     "tests.fixtures.kafka",
     "tests.fixtures.s3",
     "tests.fixtures.secure_kafka",
+    "tests.fixtures.registry",
 ]

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from tokenmill.engine.config import EngineConfig
 from tokenmill.kafka.backpressure import BackpressurePolicy
+from tokenmill.kafka.registry import RegistrySettings
 from tokenmill.kafka.security import KafkaSecurity
 
 
@@ -53,6 +54,7 @@ class WorkerSettings:
     max_poll_interval_ms: int = 300_000
     backpressure: BackpressurePolicy = field(default_factory=BackpressurePolicy)
     security: KafkaSecurity = field(default_factory=KafkaSecurity)
+    registry: RegistrySettings | None = None  # --schema-registry: framed outputs, framed Jobs read too
 
     def rebalance_allowance_s(self) -> float:
         """How long joining the group may take before it counts as an outage: a dead member's
@@ -92,6 +94,8 @@ class WorkerSettings:
             problems.append("--commit-interval must be > 0")
         if self.broker_wait_timeout_s < 0:
             problems.append("--broker-wait-timeout must be >= 0")
+        if self.registry is not None:
+            problems += self.registry.problems()
         if problems:
             raise ValueError("; ".join(problems))
         self.security.validate()

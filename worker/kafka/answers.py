@@ -32,9 +32,10 @@ from structlog.typing import FilteringBoundLogger
 from tokenmill.engine.types import RequestDelta
 from tokenmill.job_mapping import build_result, error_result, job_to_engine_request, new_attempt_id
 from tokenmill.kafka.publisher import OutRecord
+from tokenmill.kafka.registry import PLAIN, Framing
 from tokenmill.kafka.sizing import CUT_DEAD_LETTER_VALUE, TopicLimits, fit_dead_letter, fit_result
 from tokenmill.kafka.types import Answer, Fetched, InFlightJob
-from tokenmill.schemas import Result, Source, TokenEvent
+from tokenmill.schemas import DeadLetter, Result, Source, TokenEvent
 from tokenmill.schemas.constants import (
     ERROR_INTERNAL,
     ERROR_RESULT_TOO_LARGE,
@@ -42,6 +43,7 @@ from tokenmill.schemas.constants import (
     dead_letter_headers,
 )
 from tokenmill.schemas.job import Job
+from tokenmill.schemas.wire import HEADER_BYTES
 
 __all__ = [
     "AnswerContext",
@@ -76,6 +78,7 @@ class AnswerContext:
     dlq_topic: str
     dlq_partitions: int = 0  # partitions of the dead-letter topic; 0 while unknown
     limits: TopicLimits = field(default_factory=TopicLimits)  # the output topics' max.message.bytes
+    framing: Framing = field(default_factory=Framing)  # plain JSON, or framed for a schema registry
 
 
 def clip(message: str) -> str:
@@ -114,10 +117,15 @@ def token_event(job_id: str, attempt: str, index: int, delta: RequestDelta) -> b
 
 def dead_letter(key: bytes | None, value: bytes | None, code: str, message: str, *, dlq_topic: str,
                 source_topic: str, partition: int, offset: int, dlq_partition: int | None,
-                limit: int | None = None) -> OutRecord:
-    """Key and value bytes unchanged; the reason and the source in the contract's headers. With a
-    limit (the dead-letter topic's max.message.bytes), a value too large is cut (sizing.py)."""
+                limit: int | None = None, framing: Framing = PLAIN, worker: str | None = None) -> OutRecord:
+    """Key and value bytes unchanged; the reason and the source in the contract's headers (with a
+    schema registry, also as a framed DeadLetter record: registry.py). With a limit (the
+    dead-letter topic's max.message.bytes), a value too large is cut (sizing.py)."""
     headers = dead_letter_headers(code, clip(message), topic=source_topic, partition=partition, offset=offset)
+    if framing.framed:
+        info = DeadLetter(code=code, message=clip(message), source=source_of(source_topic, partition, offset),
+                          worker=worker)
+        headers += framing.dead_letter_headers(info.to_json_bytes())
     whole = OutRecord(dlq_topic, key, value, headers, dlq_partition)
     return _fitted_dead_letter(whole, limit)
 
@@ -129,20 +137,23 @@ def _fitted_dead_letter(whole: OutRecord, limit: int | None) -> OutRecord:
     return rec
 
 
-def result_record(result: Result, results_topic: str, limit: int | None = None) -> OutRecord:
+def result_record(result: Result, results_topic: str, limit: int | None = None,
+                  framing: Framing = PLAIN) -> OutRecord:
     """The Result's record. With a limit (the results topic's max.message.bytes) it is cut down
-    to fit (sizing.fit_result); `cut` says how, None when it went whole."""
+    to fit (sizing.fit_result, its JSON form with room for a registry's frame); `cut` says how,
+    None when it went whole. With a registry the value is framed (registry.py)."""
     if limit is None:
-        rec = OutRecord(results_topic, result.job_id.encode(), result.to_json_bytes())
+        rec = OutRecord(results_topic, result.job_id.encode(), framing.result(result.to_json_bytes()))
     else:
-        fitted = fit_result(result, limit)
-        rec = OutRecord(results_topic, result.job_id.encode(), fitted.value, cut=fitted.how)
-    rec.shrink = lambda refused: result_record(result, results_topic, refused - 1)
+        room = limit - HEADER_BYTES if framing.framed else limit
+        fitted = fit_result(result, room)
+        rec = OutRecord(results_topic, result.job_id.encode(), framing.result(fitted.value), cut=fitted.how)
+    rec.shrink = lambda refused: result_record(result, results_topic, refused - 1, framing)
     return rec
 
 
-def _result_of(rec: OutRecord) -> Result:
-    return Result.model_validate_json(rec.value or b"")
+def _result_of(rec: OutRecord, framing: Framing) -> Result:
+    return Result.model_validate(framing.decode_result(rec.value or b""))
 
 
 def _dead_letter_of(fetched: Fetched, code: str, message: str, ctx: AnswerContext) -> OutRecord:
@@ -150,12 +161,12 @@ def _dead_letter_of(fetched: Fetched, code: str, message: str, ctx: AnswerContex
     return dead_letter(
         fetched.key, fetched.value, code, message, dlq_topic=ctx.dlq_topic, source_topic=tp.topic,
         partition=tp.partition, offset=fetched.offset, dlq_partition=dlq_partition(tp.partition, ctx.dlq_partitions),
-        limit=ctx.limits.of(ctx.dlq_topic),
+        limit=ctx.limits.of(ctx.dlq_topic), framing=ctx.framing, worker=ctx.worker,
     )
 
 
 def _result_record(result: Result, ctx: AnswerContext) -> OutRecord:
-    return result_record(result, ctx.results_topic, ctx.limits.of(ctx.results_topic))
+    return result_record(result, ctx.results_topic, ctx.limits.of(ctx.results_topic), ctx.framing)
 
 
 def rejected(fetched: Fetched, code: str, message: str, *, job_id: str | None, attempt: str,
@@ -198,7 +209,7 @@ def finished(job: InFlightJob, delta: RequestDelta, ctx: AnswerContext) -> Answe
         )
     rec = _result_record(result, ctx)
     if rec.cut == ERROR_RESULT_TOO_LARGE:
-        result = _result_of(rec)  # the error Result that replaced it
+        result = _result_of(rec, ctx.framing)  # the error Result that replaced it
     records = [rec]
     tokens = computed_tokens(delta)
     if result.error is None:  # "error Results carry an error" is checked by the Result itself

@@ -18,7 +18,6 @@ from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.coordinator.assignors.abstract import AbstractPartitionAssignor
-from aiokafka.coordinator.assignors.roundrobin import RoundRobinPartitionAssignor
 from aiokafka.coordinator.assignors.sticky.sticky_assignor import StickyPartitionAssignor
 from aiokafka.errors import KafkaError
 from structlog.typing import FilteringBoundLogger
@@ -75,11 +74,12 @@ def sticky_assignor() -> type[AbstractPartitionAssignor]:
 
 
 def new_consumer(s: WorkerSettings) -> AIOKafkaConsumer:
-    # Sticky first: partitions stay with their member across rebalances, so their work goes on
-    # (rebalance.py). Round-robin second, so a group still holding workers of a version before this
-    # one agrees on round-robin until every member speaks sticky.
+    # Sticky: partitions stay with their member across rebalances, so their work goes on
+    # (rebalance.py). Only one strategy: aiokafka 0.14 sends one JoinGroup per strategy offered,
+    # each with different metadata, which starts the next rebalance at once (the group never
+    # settles). So a group cannot mix workers of this version with older, round-robin ones.
     return AIOKafkaConsumer(
-        partition_assignment_strategy=(sticky_assignor(), RoundRobinPartitionAssignor),
+        partition_assignment_strategy=(sticky_assignor(),),
         group_id=s.group_id,
         group_instance_id=s.instance_id,
         enable_auto_commit=False,

@@ -57,7 +57,8 @@ class EngineOutput:
                     self.metrics.count_discarded(*where, answers.computed_tokens(delta, ran_to_the_end=ran))
                 continue
             if job.job.stream and (delta.new_token_ids or delta.text_delta or delta.finished):
-                payload = answers.token_event(job.job.job_id, job.attempt, job.next_index, delta)
+                payload = self.ctx.framing.token_event(
+                    answers.token_event(job.job.job_id, job.attempt, job.next_index, delta))
                 if self.tokens.publish(job.job.job_id, payload, job.token_sink):
                     job.next_index += 1  # an event left out for its size takes no index: no gap
             if delta.finished:

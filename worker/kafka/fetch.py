@@ -37,6 +37,7 @@ from structlog.typing import FilteringBoundLogger
 
 from tokenmill.kafka.backpressure import BackpressureGate
 from tokenmill.kafka.offsets import OffsetTracker
+from tokenmill.kafka.registry import JobReader
 from tokenmill.kafka.security import access_denied
 from tokenmill.kafka.types import Fetched
 from tokenmill.metrics import HealthState, WorkerMetrics
@@ -58,6 +59,7 @@ class Fetcher:
     # (epoch, first offset tracked in it): the floor of what is uncommitted before the epoch's first commit
     _epoch_start: dict[TopicPartition, tuple[int, int]] = field(default_factory=dict, init=False)
     first_fetch_at: tuple[float, float] | None = field(default=None, init=False)  # (perf_counter, process_time)
+    reader: JobReader | None = None  # looks up new schema ids of framed Jobs before intake sees them
 
     async def run(self) -> None:
         consumer = self.consumer
@@ -72,6 +74,8 @@ class Fetcher:
                 await asyncio.sleep(1.0)
                 continue
             for tp, records in batches.items():
+                if not await self._schemas_known(tp, records):
+                    continue
                 for rec in records:
                     if not self._track(tp, rec):
                         # Span cap reached: rewind to this record and pause the partition.
@@ -80,6 +84,21 @@ class Fetcher:
                         self.span_paused.add(tp)
                         break
             self.update_pausing()
+
+    async def _schemas_known(self, tp: TopicPartition, records: list[ConsumerRecord]) -> bool:
+        """Look up the schema ids of framed Jobs not seen before (registry.py). While the registry
+        does not answer, the partition is read again from these records later: nothing is taken,
+        nothing dead-lettered for an outage."""
+        reader = self.reader
+        if reader is None or not any(reader.needs_lookup(rec.value) for rec in records):
+            return True
+        if await reader.resolve(rec.value for rec in records):
+            return True
+        self.log.warning("the schema registry does not answer; reading these records again later",
+                         partition=tp.partition, offset=records[0].offset)
+        self.consumer.seek(tp, records[0].offset)
+        await asyncio.sleep(1.0)
+        return False
 
     def _track(self, tp: TopicPartition, rec: ConsumerRecord) -> bool:
         """Take one fetched record; False if the partition's in-flight span is full."""

@@ -3,7 +3,8 @@
 In this order:
 
 1. Decode through the contract decoder (`schemas/`): not UTF-8, not JSON, a schema violation, a
-   tombstone (no value) -> `invalid_job`; a `model` other than the served name ->
+   tombstone (no value), a value framed for a schema registry whose schema id is unknown or not
+   a Job schema of this topic (registry.py) -> `invalid_job`; a `model` other than the served name ->
    `model_mismatch`. Such input is answered with a dead letter and, when a job_id can be read, an
    error Result (answers.rejected).
 2. Every input is counted by the bad-input guard (good or bad); when most of the recent ones were
@@ -33,6 +34,7 @@ from tokenmill.job_mapping import new_attempt_id
 from tokenmill.kafka import answers
 from tokenmill.kafka.answers import AnswerContext
 from tokenmill.kafka.guard import BadInputGuard, BadInputGuardTripped
+from tokenmill.kafka.registry import JobReader
 from tokenmill.kafka.types import Answer, Fetched, InFlightJob
 from tokenmill.logging import job_log
 from tokenmill.schemas.constants import ERROR_CRASHED_WORKER, ERROR_INVALID_JOB, ERROR_MODEL_MISMATCH
@@ -51,6 +53,7 @@ class Intake:
     log: FilteringBoundLogger
     crash_attempts: Callable[[Fetched], int] = lambda fetched: 0  # the record's crash attempts so far
     max_crash_attempts: int = 0  # 0: never dead-letter for crashes
+    reader: JobReader | None = None  # framed Jobs (a schema registry); None: plain JSON only
 
     def take(self, fetched: Fetched) -> None:
         attempt = new_attempt_id(self.ctx.worker)
@@ -95,7 +98,7 @@ class Intake:
     def _decode(self, value: bytes | None) -> Job:
         if value is None:
             raise JobDecodeError.invalid("the record has no value (a tombstone is not a job)")
-        job = decode_job(value)
+        job = decode_job(self.reader.payload(value) if self.reader is not None else value)
         if job.model is not None and job.model != self.ctx.model:
             raise JobDecodeError(
                 ERROR_MODEL_MISMATCH, f"job asks for model {job.model!r}; this worker serves {self.ctx.model!r}",

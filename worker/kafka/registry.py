@@ -294,12 +294,35 @@ class Framing:
     def token_event(self, value: bytes) -> bytes:
         return value if self.token_event_id is None else frame(self.token_event_id, value)
 
+    def decode_result(self, value: bytes) -> dict[str, Any]:
+        """A Result this framing wrote, back to its JSON form."""
+        if self.result_id is None:
+            return json.loads(value)
+        _, payload = unframe(value)
+        if self.avro is None:
+            return json.loads(payload)
+        import fastavro
+
+        return self.avro.from_avro(fastavro.schemaless_reader(io.BytesIO(payload), self._avro_parsed))  # type: ignore[arg-type]
+
     def dead_letter_headers(self, info: bytes) -> list[tuple[str, bytes]]:
         """The framed dead-letter metadata header (none without a registry)."""
         return [] if self.dead_letter_id is None else [(DEAD_LETTER_HEADER, frame(self.dead_letter_id, info))]
 
 
 PLAIN = Framing()
+
+
+async def open_registry(settings: RegistrySettings | None, *, jobs_topic: str, results_topic: str,
+                        tokens_topic: str, dlq_topic: str) -> tuple[Framing, JobReader]:
+    """The worker's framing and Job reader: plain without a registry; with one, the output
+    schemas registered (RegistryError, RegistryUnreachable: the worker cannot start)."""
+    if settings is None:
+        return Framing(), JobReader(None, jobs_topic)
+    client = RegistryClient(settings)
+    framing = await Framing.register(client, results_topic=results_topic, tokens_topic=tokens_topic,
+                                     dlq_topic=dlq_topic, result_format=settings.result_format)
+    return framing, JobReader(client, jobs_topic)
 
 
 # -- reading ----------------------------------------------------------------------------------

@@ -80,6 +80,7 @@ from tokenmill.kafka.intake import Intake
 from tokenmill.kafka.offsets import OffsetTracker
 from tokenmill.kafka.publisher import PublishAbandoned, TokenStream, refusal_of
 from tokenmill.kafka.rebalance import Rebalance
+from tokenmill.kafka.registry import open_registry
 from tokenmill.kafka.retry import BrokerUnreachable, BrokerWait, KafkaRetry
 from tokenmill.kafka.security import (
     KafkaAccessDenied,
@@ -271,7 +272,11 @@ class KafkaWorker:
             engine = await asyncio.shield(loading)  # shielded: a cancelled start leaves the thread to finish
             if self._stop.is_set():
                 return  # asked to stop while the model loaded: nothing was taken yet
+            # With --schema-registry, the output schemas are registered before anything is taken.
+            framing, reader = await open_registry(s.registry, jobs_topic=s.jobs_topic, results_topic=s.results_topic,
+                                                  tokens_topic=s.tokens_topic, dlq_topic=s.dlq_topic)
             self._assemble(loop, engine)
+            self.ctx.framing, self.intake.reader, self.fetcher.reader = framing, reader, reader
             self.consumer.subscribe([s.jobs_topic], listener=self.rebalance)
             # The poll task starts at once: its first fetch waits inside aiokafka for the first
             # assignment, and it is where a refusal of the group (a missing ACL) surfaces. The join
@@ -342,7 +347,7 @@ class KafkaWorker:
         if left:
             self.log.warning("drain timeout: abandoning in-flight jobs (they are redelivered)", abandoned=left)
         # Abandoned before the last commit, so that it carries their crash attempts as they were.
-        self.inflight.abandon_where(lambda job: True)
+        self.inflight.abandon_where(lambda job: True, "stopping")
         await self.delivery.commit(self.tracker.committable())  # a revoked one is no longer ours to commit
         committed = {f"{tp.topic}:{tp.partition}": offset for tp, offset in self.tracker.last_committed().items()}
         # uncommitted: fetched, not committed; the next owner reads it again (a commit that failed)
