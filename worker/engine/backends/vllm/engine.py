@@ -194,6 +194,7 @@ class VllmEngine:
             raise ValueError(f"vLLM refused the engine arguments: {exc}") from exc
         self.step_stats = StepStats()
         llm = LLMEngine.from_vllm_config(vllm_config, stat_loggers=[self.step_stats.logger_factory()])
+        _first_step(llm)
         return llm, vllm_config
 
     # ------------------------------------------------------------------ requests in
@@ -392,6 +393,20 @@ class VllmEngine:
                 llm.engine_core.shutdown()
             except Exception:  # noqa: BLE001 - a core that died has nothing left to shut
                 log.debug("vLLM shutdown failed", exc_info=True)
+
+
+def _first_step(llm: Any) -> None:
+    """One token of a two-token prompt, at start: a model vLLM loads but cannot run here (vLLM's CPU
+    attention refuses head sizes under 32, say) fails the start, not the first job, which would
+    count it a crash attempt."""
+    from vllm import SamplingParams
+
+    try:
+        llm.add_request("tokenmill-first-step", {"prompt_token_ids": [0, 0]}, SamplingParams(max_tokens=1))
+        while llm.has_unfinished_requests():
+            llm.step()
+    except Exception as exc:
+        raise RuntimeError(f"vLLM loaded the model but cannot run a step with it here: {exc}") from exc
 
 
 def _about_the_constraint(exc: Exception) -> bool:
