@@ -64,7 +64,8 @@ def test_grace_period_exceeds_drain_timeout():
     grace = dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
     assert grace > drain, (grace, drain)
     # And scale-down waits at least that long before it takes away another worker.
-    assert _one("ScaledObject")["spec"]["cooldownPeriod"] >= grace
+    for so in (d for _, d in _docs() if d["kind"] == "ScaledObject"):
+        assert so["spec"]["cooldownPeriod"] >= grace, so["metadata"]["name"]
 
 
 def test_configmap_and_secret_references():
@@ -95,8 +96,13 @@ def test_pdb_selects_the_worker_pods():
     assert pdb["spec"].get("maxUnavailable") == 1 or pdb["spec"].get("minAvailable") is not None
 
 
+def _scaled_object(name: str) -> dict:
+    (found,) = [d for _, d in _docs() if d["kind"] == "ScaledObject" and d["metadata"]["name"] == name]
+    return found
+
+
 def test_keda_scaledobject_on_consumer_lag():
-    so = _one("ScaledObject")
+    so = _scaled_object("tokenmill-worker-smollm2")
     dep = _one("Deployment")
     cm = _one("ConfigMap")["data"]
     assert so["spec"]["scaleTargetRef"]["name"] == dep["metadata"]["name"]
@@ -115,6 +121,28 @@ def test_keda_scaledobject_on_consumer_lag():
     assert "partitions of the jobs topic >= maxReplicaCount" in text
     topics = {d["metadata"]["name"]: d for _, d in _docs() if d["kind"] == "KafkaTopic"}
     assert topics[meta["topic"]]["spec"]["partitions"] == partitions
+
+
+def test_keda_scaledobject_on_the_oldest_unfinished_jobs_age():
+    lag, age = _scaled_object("tokenmill-worker-smollm2"), _scaled_object("tokenmill-worker-smollm2-age")
+    cm = _one("ConfigMap")["data"]
+    # An alternative to the lag one for the same workload (KEDA allows one ScaledObject per workload).
+    assert age["spec"]["scaleTargetRef"] == lag["spec"]["scaleTargetRef"]
+    assert age["metadata"]["annotations"]["tokenmill.io/alternative-to"] == lag["metadata"]["name"]
+    (trigger,) = age["spec"]["triggers"]
+    meta = trigger["metadata"]
+    assert trigger["type"] == "prometheus" and meta["metricType"] == "AverageValue"
+    assert "tokenmill_oldest_unfinished_job_age_seconds" in meta["query"]
+    assert f'topic="{cm["TOKENMILL_JOBS_TOPIC"]}"' in meta["query"]
+    assert float(meta["threshold"]) > float(meta["activationThreshold"]) > 0
+    partitions = int(age["metadata"]["annotations"]["tokenmill.io/jobs-topic-partitions"])
+    assert partitions >= age["spec"]["maxReplicaCount"] >= age["spec"]["minReplicaCount"] >= 1
+    assert age["spec"]["cooldownPeriod"] == lag["spec"]["cooldownPeriod"]
+    # The metric the query names is the worker's own.
+    from tokenmill.metrics import WorkerMetrics
+
+    names = {m.name for m in WorkerMetrics().registry.collect()}
+    assert "tokenmill_oldest_unfinished_job_age_seconds" in names
 
 
 def test_topics_dlq_partitions_cover_jobs():
