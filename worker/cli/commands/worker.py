@@ -71,6 +71,14 @@ def register(subparsers) -> None:
     o.add_argument("--log-level", default="INFO")
 
     add_kafka_security_args(p.add_argument_group("Security (SSL, SASL PLAIN / SCRAM)"))
+    r = p.add_argument_group("Schema Registry (opt in)")
+    r.add_argument("--schema-registry", default=None, metavar="URL",
+                   help="Confluent-compatible registry: outputs in Confluent's wire format, framed Jobs read too")
+    r.add_argument("--schema-registry-user", default=None)
+    r.add_argument("--schema-registry-password", default=None)
+    r.add_argument("--schema-registry-ca", default=None, help="CA file for an https registry")
+    r.add_argument("--result-format", default="json", choices=("json", "avro"),
+                   help="Results as JSON Schema or Avro on the registry (default json)")
     p.set_defaults(func=run)
 
 
@@ -88,6 +96,12 @@ def settings_from_args(args):
         kv_low=max(0.0, kv_high - 0.15),
     )
     security = kafka_security_from_args(args)
+    registry = None
+    if args.schema_registry:
+        from tokenmill.kafka.registry import RegistrySettings
+
+        registry = RegistrySettings(args.schema_registry, args.schema_registry_user, args.schema_registry_password,
+                                    args.schema_registry_ca, result_format=args.result_format)
     settings = WorkerSettings(
         bootstrap_servers=args.bootstrap_servers,
         engine=engine,
@@ -114,6 +128,7 @@ def settings_from_args(args):
         heartbeat_interval_ms=max(100, args.session_timeout_ms // 3),
         backpressure=backpressure,
         security=security,
+        registry=registry,
     )
     if args.worker_name:
         settings.worker_name = args.worker_name
