@@ -4,6 +4,8 @@ and `structured` (constrained vs unconstrained, tools/bench_structured.py).
 - mixed:  256 requests, prompt 16-512 tokens, output 16-256 tokens (ignore_eos), fixed seed.
           Baseline: transformers `generate` with the best static batch of {8, 32, 64}, left padding,
           same weights, same process, run right after the engine.
+          With `--backend vllm` the engine side is vLLM behind tokenmill's adapter (mixed, prefix and
+          kafka only); the baseline is the same.
 - prefix: 128 requests sharing a 512-token prefix plus 32 unique tokens, 32 output tokens each.
           Baseline: the same engine with prefix caching off.
 - structured: 256 requests over 8 JSON schemas, every row constrained, against the same requests
@@ -49,6 +51,9 @@ from tokenmill.tools.bench_workloads import (  # noqa: F401 (re-exported: the be
 )
 
 WORKLOADS = ("mixed", "prefix", "structured", "score", "n")
+# The workloads another backend (--backend vllm) runs: those that measure an engine from outside (the
+# others read tokenmill's own engine's internals: its compile and mask timings, its fork of choices).
+OTHER_BACKEND_WORKLOADS = ("mixed", "prefix", "kafka")
 BASELINE_BATCHES = (8, 32, 64)
 CALIBRATION_REQUESTS = 64
 
@@ -253,8 +258,12 @@ def _workload_report(
         raise ValueError(f"unknown workload {workload!r}; choose one of {', '.join(WORKLOADS)}")
     from tokenmill.engine.model_config import load_model_config
 
-    model_dir = resolve_model(model)
     options = dict(engine_options or {})
+    backend = options.get("backend", "tokenmill")
+    if backend != "tokenmill" and workload not in OTHER_BACKEND_WORKLOADS:
+        raise ValueError(f"--backend {backend} runs the {', '.join(OTHER_BACKEND_WORKLOADS)} workloads; "
+                         f"{workload} measures parts of tokenmill's own engine")
+    model_dir = resolve_model(model)
     mc = load_model_config(model_dir)
     special = set(mc.eos_token_ids)
     if workload == "score":
@@ -282,6 +291,7 @@ def _workload_report(
     report: dict[str, Any] = {
         "workload": workload,
         "model": model,
+        "backend": backend,
         "requests": len(work.prompts),
         "engine_output_tok_s": engine.output_tok_s,
     }
@@ -351,6 +361,7 @@ def format_table(report: dict[str, Any]) -> str:
     rows = [
         ("workload", report["workload"]),
         ("model", report["model"]),
+        ("backend", report.get("backend", "tokenmill")),
         ("requests", report["requests"]),
         ("engine output tok/s", f"{report['engine_output_tok_s']:.1f}"),
         ("baseline output tok/s", f"{report['baseline_output_tok_s']:.1f}  ({report['baseline']})"),

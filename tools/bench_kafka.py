@@ -13,7 +13,8 @@ jobs with greedy sampling and ignore_eos). The Kafka side:
 - afterwards a reader checks that every job has an ok Result with the requested token count.
 
 ratio = Kafka output tok/s / engine-alone output tok/s (goal >= 0.90): what the delivery layer
-costs. A broker is started for the run (a throw-away data directory) unless one is given.
+costs. With `--backend vllm` both sides run vLLM behind tokenmill's adapter: what the worker costs
+in front of vLLM alone. A broker is started for the run (a throw-away data directory) unless one is given.
 startup_s and first_result_s are the first engine-alone run's (tools/bench_startup.py), the
 broker's start left out.
 """
@@ -73,7 +74,7 @@ async def _through_kafka(bootstrap: str, model_dir: Path, work, engine_options: 
 
     settings = WorkerSettings(
         bootstrap_servers=bootstrap,
-        engine=EngineConfig(model=str(model_dir)),
+        engine=engine.config,  # the settings the engine was made with (its backend included)
         group_id=f"bench-{tag}", jobs_topic=topics["jobs"], results_topic=topics["results"],
         tokens_topic=topics["tokens"], dlq_topic=topics["dlq"], commit_interval_s=0.5,
     )
@@ -163,6 +164,7 @@ def run_kafka_bench(
     return {
         "workload": "kafka",
         "model": model,
+        "backend": options.get("backend", "tokenmill"),
         "requests": len(work.prompts),
         "engine_output_tok_s": alone_tok_s,
         "engine_output_tok_s_runs": [before.output_tok_s, after.output_tok_s],
@@ -192,6 +194,7 @@ def format_kafka_table(report: dict[str, Any]) -> str:
     rows = [
         ("workload", "kafka (mixed through broker + worker)"),
         ("model", report["model"]),
+        ("backend", report.get("backend", "tokenmill")),
         ("requests", report["requests"]),
         ("engine alone output tok/s", f"{report['engine_output_tok_s']:.1f}  (mean of "
                                        + " and ".join(f"{x:.1f}" for x in report["engine_output_tok_s_runs"]) + ")"),

@@ -68,10 +68,11 @@ _clock = _StartupClock()
 
 
 def new_engine(config: Any) -> Any:
-    """Engine(config); the process's first one is the one startup_s ends at."""
-    from tokenmill.engine import Engine
+    """create_engine(config) (the backend the config names); the process's first one is the one
+    startup_s ends at."""
+    from tokenmill.engine import create_engine
 
-    engine = Engine(config)
+    engine = create_engine(config)
     _clock.engine_ready(engine)
     return engine
 

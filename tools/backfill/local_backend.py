@@ -47,11 +47,11 @@ class LocalBackend(Backend):
     def _runner(self) -> OfflineRunner[None]:
         """The engine, loaded on first use: a rerun with nothing left to do never loads the model."""
         if self.runner is None:
-            from tokenmill.engine import Engine, EngineConfig
+            from tokenmill.engine import EngineConfig, create_engine
             from tokenmill.offline import OfflineRunner
 
             options = {**self.cfg.engine_options, "served_model_name": self.model_name}
-            engine = Engine(EngineConfig(model=str(self.local_dir), **options))
+            engine = create_engine(EngineConfig(model=str(self.local_dir), **options))
             self.runner = OfflineRunner(engine, worker=WORKER_NAME, max_in_flight=self.cfg.max_in_flight)
         return self.runner
 

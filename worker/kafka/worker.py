@@ -230,11 +230,11 @@ class KafkaWorker:
     def _new_engine(self) -> Engine:
         """The engine, on the loading thread: an s3:// model is downloaded there too, so the event
         loop keeps connecting meanwhile."""
-        from tokenmill.engine import Engine
+        from tokenmill.engine import create_engine
         from tokenmill.storage.checkpoint import resolve_model_path
 
         # Every engine setting goes through unchanged; the model becomes a local directory.
-        return Engine(replace(self.s.engine, model=str(resolve_model_path(self.s.engine.model))))
+        return create_engine(replace(self.s.engine, model=str(resolve_model_path(self.s.engine.model))))
 
     def _on_loaded(self, loading: asyncio.Task) -> None:
         """A failed load stops the start at once (no waiting on for a broker); run() raises its error."""

@@ -61,12 +61,12 @@ def problems(args: argparse.Namespace) -> list[str]:
 def build_runner(args: argparse.Namespace):
     """The engine from the flags, and the BatchRunner that drives it."""
     from tokenmill.batch_runner import BatchRunner
-    from tokenmill.engine import Engine
+    from tokenmill.engine import create_engine
     from tokenmill.storage.checkpoint import resolve_model_path
 
     config = engine_config_from_args(args, str(resolve_model_path(args.model)),
                                      served_model_name=served_model_name(args))
-    return BatchRunner(Engine(config), worker_name=args.worker_name, output_format=args.output_format,
+    return BatchRunner(create_engine(config), worker_name=args.worker_name, output_format=args.output_format,
                        max_in_flight=args.max_in_flight, progress=not args.no_progress)
 
 

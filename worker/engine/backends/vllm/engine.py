@@ -384,6 +384,11 @@ class VllmEngine:
                 bar.close()
         return results
 
+    def __del__(self) -> None:
+        watchdog = getattr(self, "watchdog", None)
+        if watchdog is not None:
+            watchdog.close()  # its thread ends once idle
+
     def close(self) -> None:
         """Let go of vLLM's engine (its weights and KV cache) and the step thread."""
         self.watchdog.close()
