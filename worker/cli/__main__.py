@@ -2,4 +2,5 @@ import sys
 
 from tokenmill.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # a process spawned by vLLM (or multiprocessing) imports this module again
+    sys.exit(main())

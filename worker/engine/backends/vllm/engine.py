@@ -351,6 +351,11 @@ class VllmEngine:
             steps=s.steps,
         )
 
+    @property
+    def request_ids(self) -> list[str]:
+        """The requests in the engine, by id (diagnostics and tests)."""
+        return list(self._tracked)
+
     def held_state(self) -> dict[str, int]:
         """What the adapter and vLLM hold for requests; all 0 when idle (a leak shows here)."""
         return {
