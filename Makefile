@@ -3,7 +3,7 @@
 PY := .venv/bin/python
 export OMP_WAIT_POLICY := PASSIVE
 
-.PHONY: setup demo test test-quick lint lock kafka-jars vllm-env
+.PHONY: setup demo test test-quick test-vllm lint lock kafka-jars vllm-env
 
 setup:
 	@./scripts/bootstrap.sh
@@ -16,6 +16,14 @@ demo: setup kafka-jars
 
 test: setup kafka-jars
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+	@$(MAKE) --no-print-directory test-vllm
+
+# The vllm backend's tests against real vLLM (marked vllm, in tests/test_vllm_*.py), in .venv-vllm: in
+# .venv they skip, vLLM is not there. Here nothing skips: vLLM that does not import fails the step.
+VLLM_PY := .venv-vllm/bin/python
+test-vllm: vllm-env kafka-jars
+	@$(VLLM_PY) -c "import vllm" || { echo "make test-vllm: vLLM does not import in .venv-vllm" >&2; exit 1; }
+	$(VLLM_PY) -m pytest -q -m vllm $(VLLM_PYTEST_ARGS) tests/test_vllm_*.py
 
 lint: setup
 	.venv/bin/ruff check .
