@@ -168,8 +168,24 @@ def _dockerfile():
     return [(ln.split(None, 1)[0].upper(), ln.split(None, 1)[1] if " " in ln else "") for ln in lines]
 
 
+def _stages() -> dict[str, list[tuple[str, str]]]:
+    """The Dockerfile's build stages by name (`FROM image AS name`), each from its FROM on, in order."""
+    stages: dict[str, list[tuple[str, str]]] = {}
+    for i, a in _dockerfile():
+        if i == "FROM":
+            words = a.split()
+            assert len(words) == 3 and words[1].upper() == "AS", f"every stage is named: FROM {a}"
+            current = stages.setdefault(words[2], [])
+        current.append((i, a))
+    return stages
+
+
 def test_dockerfile_cuda_runtime_non_root_cache_volume():
-    instr = _dockerfile()
+    stages = _stages()
+    # The default target (the last stage) is tokenmill's own engine on a CUDA runtime image.
+    default = list(stages)[-1]
+    assert default == "worker"
+    instr = stages[default]
     froms = [a for i, a in instr if i == "FROM"]
     assert len(froms) == 1 and "cuda" in froms[0] and "runtime" in froms[0]
     users = [a for i, a in instr if i == "USER"]
@@ -207,3 +223,170 @@ def test_every_tokenmill_setting_is_a_worker_flag():
     names = set(_one("ConfigMap")["data"]) | {e["name"] for e in container["env"]}
     used = {n for n in names if n.startswith("TOKENMILL_")}
     assert used and used <= known, sorted(used - known)
+
+
+# -- every manifest against its kind's schema ------------------------------------------------------------
+def _all_docs():
+    return [(path.relative_to(K8S).as_posix(), doc) for path in sorted(K8S.rglob("*.yaml"))
+            for doc in yaml.safe_load_all(path.read_text()) if doc is not None]
+
+
+def test_every_manifest_holds_to_its_kinds_schema():
+    """The schema check kubectl --dry-run=client would make with a cluster's API (tests/k8s_schemas.py)."""
+    from tests.k8s_schemas import problems
+
+    docs = _all_docs()
+    assert {d["kind"] for _, d in docs} >= {"Deployment", "LeaderWorkerSet", "ScaledObject", "ConfigMap"}
+    found = {f"{name} {d['kind']} {d['metadata']['name']}": p for name, d in docs if (p := problems(d))}
+    assert not found, found
+
+
+def test_the_schema_check_catches_a_misspelt_field_and_a_wrong_type():
+    from tests.k8s_schemas import problems
+
+    (lws,) = [d for _, d in _all_docs() if d["kind"] == "LeaderWorkerSet"]
+    lws["spec"]["leaderWorkerTemplate"]["sizes"] = lws["spec"]["leaderWorkerTemplate"].pop("size")
+    so = next(d for _, d in _all_docs() if d["kind"] == "ScaledObject")
+    so["spec"]["triggers"][0]["metadata"]["lagThreshold"] = 512
+    assert any("'sizes' was unexpected" in p for p in problems(lws))
+    assert any("lagThreshold: 512 is not of type 'string'" in p for p in problems(so))
+
+
+# -- the vLLM backend's GPU workers ----------------------------------------------------------------------
+VLLM = K8S / "vllm"
+
+
+def _vllm(name: str, kind: str) -> dict:
+    (found,) = [d for d in yaml.safe_load_all((VLLM / name).read_text()) if d and d["kind"] == kind]
+    return found
+
+
+def _engine_config(config_map: dict):
+    """The worker's EngineConfig from a ConfigMap's TOKENMILL_* variables, as `tokenmill worker` reads
+    them (its flags' defaults), validated as the worker validates it."""
+    import os
+    from unittest import mock
+
+    from tokenmill.cli import build_parser
+    from tokenmill.cli.engine_options import engine_config_from_args
+
+    env = {k: v for k, v in config_map["data"].items() if k.startswith("TOKENMILL_")}
+    with mock.patch.dict(os.environ, env):
+        args = build_parser().parse_args(["worker"])
+    return engine_config_from_args(args, args.model)
+
+
+def _vllm_args(config) -> dict:
+    from tokenmill.engine.backends.vllm.settings import parse_vllm_args
+
+    values, problems = parse_vllm_args(config.vllm_args)
+    assert not problems
+    return values
+
+
+def _gpus(pod_spec: dict) -> int:
+    (container,) = pod_spec["containers"]
+    res = container["resources"]
+    assert int(res["limits"]["nvidia.com/gpu"]) == int(res["requests"]["nvidia.com/gpu"])
+    return int(res["requests"]["nvidia.com/gpu"])
+
+
+def _shared_memory(pod_spec: dict) -> bool:
+    """/dev/shm backed by memory (vLLM's tensor-parallel workers talk through it)."""
+    (container,) = pod_spec["containers"]
+    shm = {m["name"] for m in container["volumeMounts"] if m["mountPath"] == "/dev/shm"}
+    return any(v["name"] in shm and v.get("emptyDir", {}).get("medium") == "Memory" for v in pod_spec["volumes"])
+
+
+def _lag_trigger_of(so: dict, config_map: dict, target_kind: str, target_name: str) -> None:
+    data = config_map["data"]
+    ref = so["spec"]["scaleTargetRef"]
+    assert (ref.get("kind", "Deployment"), ref["name"]) == (target_kind, target_name)
+    (trigger,) = so["spec"]["triggers"]
+    meta = trigger["metadata"]
+    assert trigger["type"] == "kafka" and trigger["authenticationRef"]["name"] == "tokenmill-kafka-sasl"
+    assert (meta["consumerGroup"], meta["topic"], meta["bootstrapServers"]) == (
+        data["TOKENMILL_GROUP_ID"], data["TOKENMILL_JOBS_TOPIC"], data["TOKENMILL_BOOTSTRAP_SERVERS"])
+    assert int(meta["lagThreshold"]) == 2 * int(data["TOKENMILL_MAX_NUM_SEQS"])
+    partitions = int(so["metadata"]["annotations"]["tokenmill.io/jobs-topic-partitions"])
+    assert partitions >= so["spec"]["maxReplicaCount"] >= so["spec"]["minReplicaCount"] >= 1
+
+
+def test_the_vllm_image_is_a_build_target_on_vllms_image_running_tokenmill_non_root():
+    instr = _stages()["vllm-worker"]
+    (base,) = [a for i, a in instr if i == "FROM"]
+    assert base.startswith("vllm/vllm-openai:v") and not base.split()[0].endswith(":latest")
+    env = {t.split("=", 1)[0]: t.split("=", 1)[1] for i, a in instr if i == "ENV" for t in shlex.split(a)}
+    assert env["TOKENMILL_BACKEND"] == "vllm" and env["TOKENMILL_CACHE"]
+    assert any(env["TOKENMILL_CACHE"] in a for i, a in instr if i == "VOLUME")
+    users = [a for i, a in instr if i == "USER"]
+    assert users and users[-1].split(":")[0] not in ("root", "0")
+    run = " ".join(a for i, a in instr if i == "RUN")
+    assert "--constraint" in run and "vllm" in run  # vLLM's own torch and vLLM stay as its image has them
+    assert [a for i, a in instr if i == "ENTRYPOINT"][-1] == '["tokenmill"]'
+
+
+def test_one_pod_splits_the_model_over_its_gpus_by_tensor_parallelism():
+    cm, dep = _vllm("tensor-parallel.yaml", "ConfigMap"), _vllm("tensor-parallel.yaml", "Deployment")
+    config = _engine_config(cm)
+    assert config.backend == "vllm"
+    pod = dep["spec"]["template"]["spec"]
+    assert _vllm_args(config)["tensor_parallel_size"] == _gpus(pod) > 1
+    assert _shared_memory(pod)
+    (container,) = pod["containers"]
+    assert {"configMapRef": {"name": cm["metadata"]["name"]}} in container["envFrom"]
+    assert "vllm" in container["image"] and container["args"] == ["worker"]
+    assert pod["terminationGracePeriodSeconds"] > int(cm["data"]["TOKENMILL_DRAIN_TIMEOUT"])
+    so = _vllm("tensor-parallel.yaml", "ScaledObject")
+    _lag_trigger_of(so, cm, "Deployment", dep["metadata"]["name"])
+    assert so["spec"]["cooldownPeriod"] >= pod["terminationGracePeriodSeconds"]
+    topic = _vllm("tensor-parallel.yaml", "KafkaTopic")
+    assert topic["metadata"]["name"] == cm["data"]["TOKENMILL_JOBS_TOPIC"]
+    assert topic["spec"]["partitions"] == int(so["metadata"]["annotations"]["tokenmill.io/jobs-topic-partitions"])
+    pdb = _vllm("tensor-parallel.yaml", "PodDisruptionBudget")
+    assert pdb["spec"]["selector"]["matchLabels"] == dep["spec"]["selector"]["matchLabels"]
+
+
+def test_a_model_larger_than_a_node_runs_on_a_leader_worker_set_whose_leader_owns_the_consumer():
+    cm, lws = _vllm("leaderworkerset.yaml", "ConfigMap"), _vllm("leaderworkerset.yaml", "LeaderWorkerSet")
+    config = _engine_config(cm)
+    args = _vllm_args(config)
+    template = lws["spec"]["leaderWorkerTemplate"]
+    leader, worker = template["leaderTemplate"]["spec"], template["workerTemplate"]["spec"]
+    size = template["size"]
+    # Pipeline stages across the group's pods, tensor parallel within one: every GPU of the group used.
+    assert size > 1 and args["pipeline_parallel_size"] == size
+    assert args["tensor_parallel_size"] * args["pipeline_parallel_size"] == _gpus(leader) + (size - 1) * _gpus(worker)
+    assert args["distributed_executor_backend"] == "ray"
+    assert template["restartPolicy"] == "RecreateGroupOnPodRestart"  # a lost pod restarts its group
+    # The leader is the only Kafka consumer: it alone has the worker's settings, runs tokenmill, is probed.
+    (lead,) = leader["containers"]
+    (follow,) = worker["containers"]
+    assert {"configMapRef": {"name": cm["metadata"]["name"]}} in lead["envFrom"]
+    assert "exec tokenmill worker" in lead["args"][0] and "ray start --head" in lead["args"][0]
+    assert "$LWS_GROUP_SIZE" in lead["args"][0]  # it waits for its whole group before it consumes
+    assert lead["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert "envFrom" not in follow and not any(e["name"].startswith("TOKENMILL_") for e in follow.get("env", ()))
+    assert "tokenmill" not in " ".join(follow["args"]) and "$(LWS_LEADER_ADDRESS):6379" in follow["args"][0]
+    # Every pod of a group reads the checkpoint from the same path.
+    model = cm["data"]["TOKENMILL_MODEL"]
+    for spec in (leader, worker):
+        (container,) = spec["containers"]
+        mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+        root = next(path for path in mounts if model.startswith(path + "/"))
+        claim = next(v for v in spec["volumes"] if v["name"] == mounts[root])["persistentVolumeClaim"]["claimName"]
+        assert claim == _vllm("leaderworkerset.yaml", "PersistentVolumeClaim")["metadata"]["name"]
+        assert _shared_memory(spec)
+    assert leader["terminationGracePeriodSeconds"] > int(cm["data"]["TOKENMILL_DRAIN_TIMEOUT"])
+    so = _vllm("leaderworkerset.yaml", "ScaledObject")
+    _lag_trigger_of(so, cm, "LeaderWorkerSet", lws["metadata"]["name"])
+    assert so["spec"]["scaleTargetRef"]["apiVersion"] == lws["apiVersion"]
+    assert so["spec"]["cooldownPeriod"] >= leader["terminationGracePeriodSeconds"]
+    topic = _vllm("leaderworkerset.yaml", "KafkaTopic")
+    assert topic["spec"]["partitions"] == int(so["metadata"]["annotations"]["tokenmill.io/jobs-topic-partitions"])
+
+
+def test_the_dlq_has_a_partition_for_every_partition_of_the_vllm_jobs_topics():
+    dlq = next(d for _, d in _docs() if d["kind"] == "KafkaTopic" and d["metadata"]["name"] == "tokenmill.dlq")
+    for name in ("tensor-parallel.yaml", "leaderworkerset.yaml"):
+        assert _vllm(name, "KafkaTopic")["spec"]["partitions"] <= dlq["spec"]["partitions"]
