@@ -122,8 +122,8 @@ class BatchRunner:
 
     # ------------------------------------------------------------------ run
     def run(self, input_path: str, output_path: str) -> dict[str, int]:
-        in_stream = sys.stdin.buffer if input_path == "-" else open(input_path, "rb")
-        out_file = Path(output_path)
+        in_stream = sys.stdin.buffer if input_path == "-" else open(Path(input_path).expanduser(), "rb")
+        out_file = Path(output_path).expanduser()  # as the command's checks read both (worker/cli/preflight.py)
         out_file.parent.mkdir(parents=True, exist_ok=True)
         counts = {"lines": 0, "ok": 0, "error": 0, "expired": 0}
         bar = None

@@ -57,13 +57,13 @@ def output_file(path: str, what: str, *, input_path: str | None = None) -> list[
         return [f"{what} {path} is the input file: writing it would erase what is being read"]
     if p.exists():
         return [] if os.access(p, os.W_OK) else [f"{what} {path}: not writable"]
-    folder = p.absolute().parent
-    while not folder.exists():
-        folder = folder.parent
-    if not folder.is_dir():
-        return [f"{what} {path}: {folder} is a file, not a folder"]
-    if not os.access(folder, os.W_OK | os.X_OK):
-        return [f"{what} {path}: folder {folder} is not writable"]
+    parent = p.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        return [f"{what} {path}: {parent} is a file, not a folder"]
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return [f"{what} {path}: folder {parent} is not writable"]
     return []
 
 
