@@ -20,7 +20,7 @@ handed over to the moment the last finishes (model loading and a short warm-up e
 sides). Everything runs in one process, one after the other, with the same torch thread count.
 
 Every workload's report (table and JSON) also says how the process started (tools/bench_startup.py):
-- startup_s: from the process's own start to its first engine ready (Engine() returned): the
+- startup_s: from the process's own start to its first engine ready (create_engine returned): the
   imports, the weights, the tokenizer, the KV cache; the kafka workload's throw-away broker is
   not counted.
 - first_result_s: from that engine ready to its first finished request (the warm-up's first,

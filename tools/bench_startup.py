@@ -2,7 +2,7 @@
 workload's report and table.
 
 - startup_s: from the process's own start (its start time as the kernel records it,
-  /proc/self/stat, in 10 ms ticks) to the moment its first engine is ready (Engine() returned):
+  /proc/self/stat, in 10 ms ticks) to the moment its first engine is ready (create_engine returned):
   the interpreter, the imports, the command line, the model's weights, the tokenizer and the KV
   cache, what a `tokenmill worker` or `run-batch` pays before its first step. Set-up that only the
   bench does before that engine (the kafka workload's throw-away broker) is left out.
