@@ -8,6 +8,7 @@ model.safetensors, tokenizer files with a ChatML chat template) and cached by pr
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import random
@@ -57,11 +58,20 @@ def cache_root() -> Path:
 
 def build_once(target: Path, build: Callable[[Path], None]) -> Path:
     """`target`, built by `build(tmp)` into a temporary directory beside it and renamed into place
-    the first time (a reader never sees a half-written directory; of two concurrent builders one
-    wins, the other's copy is dropped). A directory with a config.json counts as built."""
+    the first time (a reader never sees a half-written directory). Concurrent builders (test
+    workers, worker processes) take turns on a lock file beside it, so one builds and the others
+    find it built. A directory with a config.json counts as built."""
     if (target / "config.json").exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if (target / "config.json").exists():
+            return target
+        return _build_into_place(target, build)
+
+
+def _build_into_place(target: Path, build: Callable[[Path], None]) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
         build(tmp)
