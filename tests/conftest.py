@@ -24,6 +24,8 @@ torch.set_num_threads(1)
 
 # Fixture modules, one per concern (kept apart so they can grow independently).
 pytest_plugins = [
+    "tests.fixtures.scheduling",
+    "tests.fixtures.shared",
     "tests.fixtures.models",
     "tests.fixtures.kafka",
     "tests.fixtures.s3",
