@@ -82,6 +82,7 @@ def test_cpus_outside_the_process_mask_are_refused(capsys):
         main(["--kv-cache-gb", "0"])
 
 
+@pytest.mark.serial  # pins its runs to two CPUs and times them: needs the machine to itself
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the probe pins runs to two CPUs")
 def test_the_probe_runs_each_part_pinned_and_writes_its_json(tmp_path, capsys):
     out = tmp_path / "ceiling.json"

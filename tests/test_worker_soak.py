@@ -28,7 +28,8 @@ from tests.worker_helpers import (
     worker_settings,
 )
 
-pytestmark = [pytest.mark.kafka, pytest.mark.slow]
+# serial: its time bound and the figures docs/worker.md quotes want the machine to itself.
+pytestmark = [pytest.mark.kafka, pytest.mark.slow, pytest.mark.serial]
 
 NUM_JOBS = 20_000
 WARM_JOBS = 2_000
