@@ -54,6 +54,7 @@ from typing import Any
 from tokenmill.schemas.avro import AvroResults, avro_schema
 from tokenmill.schemas.errors import JobDecodeError
 from tokenmill.schemas.export import render
+from tokenmill.schemas.json_text import job_id_of, load_json
 from tokenmill.schemas.wire import FramingError, frame, is_framed, unframe
 
 RESULT_FORMATS = ("json", "avro")
@@ -74,7 +75,7 @@ def dead_letter_subject(dlq_topic: str) -> str:
 class RegistrySettings:
     url: str  # the registry's Confluent API base, e.g. http://registry:8081 (Apicurio: .../apis/ccompat/v7)
     username: str | None = None
-    password: str | None = None
+    password: str | None = field(default=None, repr=False)  # never in a log line or a traceback
     ca_file: str | None = None  # trust this CA (TLS)
     cert_file: str | None = None  # client certificate (mutual TLS)
     key_file: str | None = None
@@ -369,15 +370,26 @@ class JobReader:
                                          "format) and this worker has no --schema-registry to look it up")
         schema, subjects = self.client.cached(schema_id)
         if schema is None:
-            raise JobDecodeError.invalid(f"schema id {schema_id} is not known to the schema registry")
+            raise JobDecodeError.invalid(f"schema id {schema_id} is not known to the schema registry",
+                                         _readable_job_id(payload))
         if schema.schema_type != "JSON":
             raise JobDecodeError.invalid(f"schema id {schema_id} is a {schema.schema_type} schema; Jobs are "
-                                         "read as JSON (JSON Schema)")
+                                         "read as JSON (JSON Schema)", _readable_job_id(payload))
         if self.subject not in subjects:
             where = ", ".join(sorted(subjects)) or "no subject"
             raise JobDecodeError.invalid(f"schema id {schema_id} is not a schema of subject {self.subject} "
-                                         f"(registered under {where}): not compatible with this topic's Jobs")
+                                         f"(registered under {where}): not compatible with this topic's Jobs",
+                                         _readable_job_id(payload))
         return payload
+
+
+def _readable_job_id(payload: bytes) -> str | None:
+    """The job_id of a refused framed Job whose payload is still JSON naming one (the contract: bad
+    input gets an error Result when its job_id can be read); None for any other payload."""
+    try:
+        return job_id_of(load_json(payload, id_of=job_id_of))
+    except JobDecodeError as err:
+        return err.job_id
 
 
 class ResultReader:
