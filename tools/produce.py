@@ -9,6 +9,9 @@ Keys (`--key`):
 
 Topics: `--jobs-topic` may contain `{model}` (e.g. `tokenmill.jobs.{model}`): each job then goes
 to the topic of its `model` field, one topic and one worker group per served model.
+
+With a schema registry (`--schema-registry`), each Job is written in Confluent's wire format with
+the Job's JSON Schema, registered under its topic's subject `<topic>-value` (tools/job_framing.py).
 """
 
 from __future__ import annotations
@@ -20,7 +23,10 @@ import sys
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tokenmill.kafka.registry import RegistrySettings
 
 KEY_MODES = ("job_id", "prefix", "none")
 DEFAULT_PREFIX_CHARS = 256
@@ -141,18 +147,21 @@ async def produce(
     total: int | None = None,
     progress: bool = True,
     kafka_options: dict | None = None,
+    registry: RegistrySettings | None = None,
     err: IO[str] | None = None,
 ) -> ProduceReport:
     from aiokafka import AIOKafkaProducer
     from tqdm import tqdm
 
     from tokenmill.kafka.security import start_checked
+    from tokenmill.tools.job_framing import JobFraming
 
     if key not in KEY_MODES:
         raise ValueError(f"--key must be one of {', '.join(KEY_MODES)}")
     err = err or sys.stderr
     limiter = RateLimiter(rate)
     report = ProduceReport()
+    framing = JobFraming(registry)
     started = time.monotonic()
     producer = AIOKafkaProducer(bootstrap_servers=bootstrap_servers, acks="all", enable_idempotence=True,
                                 linger_ms=5, **(kafka_options or {}))
@@ -170,7 +179,8 @@ async def produce(
                 bar.update(1)
                 continue
             await limiter.wait()
-            pending.append(await producer.send(topic, value=job_value(job), key=key_for(job, key, prefix_chars)))
+            value = await framing.value(topic, job_value(job))
+            pending.append(await producer.send(topic, value=value, key=key_for(job, key, prefix_chars)))
             report.by_topic[topic] = report.by_topic.get(topic, 0) + 1
             if len(pending) >= SEND_BATCH or rate is not None:
                 await asyncio.gather(*pending)

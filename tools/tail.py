@@ -3,6 +3,10 @@
 Reads every partition by manual assignment (no consumer group, so tailing never disturbs the
 workers' groups or other readers), from the end or from the beginning, `read_committed` so an
 exactly-once worker's aborted Results never show.
+
+Records are read as plain JSON or, with a schema registry, also in Confluent's wire format:
+Results framed with their JSON Schema or Avro schema, TokenEvents with their JSON Schema
+(worker/kafka/registry.py's ResultReader, the writer's schema fetched by its id).
 """
 
 from __future__ import annotations
@@ -13,7 +17,10 @@ import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tokenmill.kafka.registry import RegistrySettings
 
 
 @dataclass
@@ -104,13 +111,18 @@ async def follow(
     job_ids: set[str] | None = None,
     idle_timeout: float | None = None,
     kafka_options: dict | None = None,
+    registry: RegistrySettings | None = None,
     on_ready: Callable[[], None] | None = None,
 ) -> AsyncIterator[dict[str, Any]]:
-    """Yield each record of `topic` as a dict (undecodable records are reported and skipped)."""
+    """Yield each record of `topic` as a dict (undecodable records are reported and skipped; a
+    registry that refuses or does not answer stops the reading with RegistryError or
+    RegistryUnreachable)."""
     from aiokafka import AIOKafkaConsumer, TopicPartition
 
+    from tokenmill.kafka.registry import RegistryClient, ResultReader
     from tokenmill.kafka.security import start_checked
 
+    reader = ResultReader(RegistryClient(registry) if registry is not None else None)
     consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap_servers, group_id=None, enable_auto_commit=False,
                                 isolation_level="read_committed", **(kafka_options or {}))
     # Refused credentials raise KafkaAccessDenied here; a missing READ ACL raises from
@@ -141,9 +153,10 @@ async def follow(
                     if keys is not None and rec.key not in keys:
                         continue
                     try:
-                        value = json.loads(rec.value)
-                    except (ValueError, TypeError):
-                        print(f"{tp.topic}/{tp.partition}@{rec.offset}: not JSON, skipped", file=sys.stderr)
+                        value = await reader.decode(rec.value)
+                    except (ValueError, TypeError, EOFError) as exc:  # EOFError: Avro bytes cut short
+                        print(f"{tp.topic}/{tp.partition}@{rec.offset}: not readable ({exc}), skipped",
+                              file=sys.stderr)
                         continue
                     if keys is not None and value.get("job_id") not in job_ids:
                         continue
@@ -188,6 +201,7 @@ async def tail(
     count: int | None = None,
     idle_timeout: float | None = None,
     kafka_options: dict | None = None,
+    registry: RegistrySettings | None = None,
     out: IO[str] | None = None,
     on_ready: Callable[[], None] | None = None,
 ) -> int:
@@ -198,7 +212,8 @@ async def tail(
     assembler = TokenAssembler()
     topic = tokens_topic if tokens else results_topic
     async for value in follow(bootstrap_servers, topic, from_beginning=from_beginning, job_ids=job_ids,
-                              idle_timeout=idle_timeout, kafka_options=kafka_options, on_ready=on_ready):
+                              idle_timeout=idle_timeout, kafka_options=kafka_options, registry=registry,
+                              on_ready=on_ready):
         if tokens:
             update = assembler.add(value)
             if update is None:

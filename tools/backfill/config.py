@@ -6,10 +6,13 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tokenmill.tools.backfill.jobs import JobSpec
 from tokenmill.tools.backfill.output import OUTPUT_FORMATS
+
+if TYPE_CHECKING:
+    from tokenmill.kafka.registry import RegistrySettings
 
 
 @dataclass
@@ -31,6 +34,7 @@ class BackfillConfig:
     jobs_topic: str = "tokenmill.jobs"
     results_topic: str = "tokenmill.results"
     kafka_options: dict[str, Any] = field(default_factory=dict)  # security kwargs for aiokafka
+    registry: RegistrySettings | None = None  # Jobs framed, framed Results read (kafka_backend.py)
     # Local engine
     model_path: str | None = None
     engine_options: dict[str, Any] = field(default_factory=dict)  # extra EngineConfig fields

@@ -4,6 +4,12 @@ The results topic is read from positions kept in the store, committed in the sam
 the results they carried, so a crash never skips or double-counts one. Only records of this
 dataset (job id prefix, see identity.job_id_prefix) are kept.
 
+With a schema registry (`KafkaSettings.registry`), the jobs go out in Confluent's wire format with
+the Job's JSON Schema (tools/job_framing.py), and Results are read framed (JSON Schema or Avro) as
+well as plain. While the registry does not answer, the collector tries the same records again
+every few seconds (their position is stored only with their Results, so nothing is skipped); a
+Result that no reader can decode is logged and passed over, like a record that is not JSON.
+
 The backend needs only the connection and topics (`KafkaSettings`), so other resumable clients
 (`tokenmill eval`) reuse it with their own job ids; a BackfillConfig is taken as is.
 """
@@ -11,20 +17,23 @@ The backend needs only the connection and topics (`KafkaSettings`), so other res
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from tokenmill.kafka.registry import RegistryClient, RegistrySettings, RegistryUnreachable, ResultReader
 from tokenmill.tools.backfill.backend import Backend
 from tokenmill.tools.backfill.config import BackfillConfig
+from tokenmill.tools.job_framing import JobFraming
 
 if TYPE_CHECKING:
     from tokenmill.schemas import Job
     from tokenmill.tools.backfill.store import ResultStore
 
 log = logging.getLogger(__name__)
+
+REGISTRY_RETRY_S = 2.0  # between two tries of a Result's schema while the registry does not answer
 
 
 @dataclass(frozen=True)
@@ -36,12 +45,14 @@ class KafkaSettings:
     results_topic: str = "tokenmill.results"
     kafka_options: dict[str, Any] = field(default_factory=dict)  # security kwargs for aiokafka
     model: str | None = None  # the served model name the jobs carry
+    registry: RegistrySettings | None = None  # a schema registry: jobs framed, framed Results read
 
     @classmethod
     def of(cls, cfg: BackfillConfig | KafkaSettings) -> KafkaSettings:
         if isinstance(cfg, KafkaSettings):
             return cfg
-        return cls(cfg.bootstrap_servers, cfg.jobs_topic, cfg.results_topic, dict(cfg.kafka_options), cfg.spec.model)
+        return cls(cfg.bootstrap_servers, cfg.jobs_topic, cfg.results_topic, dict(cfg.kafka_options), cfg.spec.model,
+                   cfg.registry)
 
 
 class KafkaBackend(Backend):
@@ -56,6 +67,8 @@ class KafkaBackend(Backend):
         self.consumer = None
         self.collector: asyncio.Task | None = None
         self.model_name = cfg.model or ""
+        self.framing = JobFraming(cfg.registry)
+        self.reader = ResultReader(RegistryClient(cfg.registry) if cfg.registry is not None else None)
 
     async def start(self, store: ResultStore) -> str | None:
         from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
@@ -101,14 +114,26 @@ class KafkaBackend(Backend):
                 for rec in records:
                     key = rec.key or b""
                     if key.startswith(self.prefix) or (not key and rec.value and self.prefix in rec.value[:400]):
-                        try:
-                            results.append(json.loads(rec.value))
-                        except ValueError:
-                            log.warning("unreadable record at %s:%d offset %d", tp.topic, tp.partition, rec.offset)
+                        result = await self._decode(rec)
+                        if result is not None:
+                            results.append(result)
                 if records:
                     offsets[(tp.topic, tp.partition)] = records[-1].offset + 1
             if offsets:
                 self.record(results, offsets)
+
+    async def _decode(self, rec) -> dict[str, Any] | None:
+        """A Result record's JSON form; None for one no reader can decode (logged)."""
+        while True:
+            try:
+                return await self.reader.decode(rec.value)
+            except RegistryUnreachable as exc:
+                log.warning("%s; reading %s:%d offset %d again in %.0f s", exc, rec.topic, rec.partition,
+                            rec.offset, REGISTRY_RETRY_S)
+                await asyncio.sleep(REGISTRY_RETRY_S)
+            except (ValueError, TypeError, EOFError) as exc:  # EOFError: Avro bytes cut short
+                log.warning("unreadable record at %s:%d offset %d: %s", rec.topic, rec.partition, rec.offset, exc)
+                return None
 
     def _topic_for(self, job: Job) -> str:
         template = self.cfg.jobs_topic
@@ -126,7 +151,8 @@ class KafkaBackend(Backend):
     async def submit(self, jobs: list[Job]) -> None:
         futures = []
         for job in jobs:
-            futures.append(await self.producer.send(self._topic_for(job), value=job.to_json_bytes(),
+            topic = self._topic_for(job)
+            futures.append(await self.producer.send(topic, value=await self.framing.value(topic, job.to_json_bytes()),
                                                     key=self.partition_key(job)))
         await asyncio.gather(*futures)
         self._raise_if_collector_failed()

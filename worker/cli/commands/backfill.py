@@ -4,7 +4,10 @@ One Job per dataset row; results are collected, deduplicated by job_id and writt
 per input row, in input order. Rerun the same command after an interruption: only rows without a
 result are submitted again. Bad flags, an input that is not there, an output that cannot be written
 or (--engine local) a model folder that is not a checkpoint exit 2 before anything loads. With
---engine kafka, a broker that refuses the credentials exits 76, a missing ACL 77.
+--engine kafka, a broker that refuses the credentials exits 76, a missing ACL 77; with
+--schema-registry the jobs go out in Confluent's wire format (the Job's JSON Schema) and framed
+Results are read too, and a registry that refuses the credentials exits 76, the permission 77, one
+that does not answer at start 1 (while running, the Results are read again once it answers).
 """
 
 from __future__ import annotations
@@ -15,6 +18,11 @@ import sys
 
 from tokenmill.cli import preflight
 from tokenmill.cli.commands._kafka_client import add_kafka_client_args, client_error_exit, kafka_client_kwargs
+from tokenmill.cli.commands._registry_client import (
+    add_schema_registry_args,
+    registry_error_exit,
+    registry_settings_from_args,
+)
 from tokenmill.cli.engine_options import add_engine_options, engine_kwargs, positive_int
 
 # --model is the served name or the checkpoint; --seed is the jobs' sampling seed.
@@ -68,6 +76,8 @@ def register(subparsers) -> None:
                    help="jobs topic; 'tokenmill.jobs.{model}' routes by --model")
     k.add_argument("--results-topic", default="tokenmill.results")
     add_kafka_client_args(p, required=False)
+    add_schema_registry_args(p.add_argument_group("Schema Registry (kafka engine)"),
+                             what="jobs framed with the Job's JSON Schema, framed Results read too")
     loc = p.add_argument_group("local engine")
     loc.add_argument("--max-in-flight", type=positive_int, default=64, help="requests inside the engine at once")
     # Every engine setting, as run-batch has them; --seed above is the sampling seed of the jobs.
@@ -91,6 +101,14 @@ def _sampling(args: argparse.Namespace) -> dict:
     from tokenmill.tools.backfill.constraints import constraint_from_options, with_constraint
 
     return with_constraint(sampling, constraint_from_options(args.json_schema, args.choice, args.whitespace))
+
+
+def _registry(args: argparse.Namespace, local: bool):
+    """The registry settings (--engine kafka only: a local engine reads and writes no topic)."""
+    settings = registry_settings_from_args(args)
+    if settings is not None and local:
+        raise ValueError("--schema-registry works with --engine kafka only")
+    return settings
 
 
 def problems(args: argparse.Namespace) -> list[str]:
@@ -138,6 +156,7 @@ def handle(args: argparse.Namespace) -> int:
             bootstrap_servers=args.bootstrap_servers, jobs_topic=args.jobs_topic,
             results_topic=args.results_topic,
             kafka_options={} if local else kafka_client_kwargs(args),
+            registry=_registry(args, local),
             model_path=args.model if local else None, engine_options=engine_options,
             max_in_flight=args.max_in_flight,
         )
@@ -159,6 +178,9 @@ def handle(args: argparse.Namespace) -> int:
         print(f"tokenmill backfill: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:  # refused credentials or a missing ACL: 76 / 77 (the state is kept)
+        refused = registry_error_exit("tokenmill backfill", exc)
+        if refused is not None:
+            return refused
         return client_error_exit("tokenmill backfill", exc)
     print(summary.render(), file=sys.stderr)
     if args.summary_json:

@@ -10,7 +10,8 @@ and only the jobs without a Result are sent again. Task datasets are read offlin
 and HF_HUB_OFFLINE default to 1). Exit codes: 1 a request failed (its error quoted), 2 bad input
 (checked before anything loads: the flags, the files, the model folder, the broker answering),
 3 Results still missing (the state is kept), 76 / 77 a broker refusing the credentials / a missing
-ACL.
+ACL (or a schema registry refusing the credentials / the permission). With --schema-registry the
+jobs go out in Confluent's wire format (the Job's JSON Schema) and framed Results are read too.
 """
 
 from __future__ import annotations
@@ -25,6 +26,11 @@ from typing import Any
 
 from tokenmill.cli import preflight
 from tokenmill.cli.commands._kafka_client import add_kafka_client_args, client_error_exit, kafka_client_kwargs
+from tokenmill.cli.commands._registry_client import (
+    add_schema_registry_args,
+    registry_error_exit,
+    registry_settings_from_args,
+)
 from tokenmill.cli.engine_options import (
     add_engine_options,
     engine_config_from_args,
@@ -96,6 +102,8 @@ def register(subparsers) -> None:
     k.add_argument("--timeout", type=positive_float, metavar="SECONDS",
                    help="give up waiting for Results after this long (the state is kept; rerun to resume)")
     add_kafka_client_args(p, required=False)
+    add_schema_registry_args(p.add_argument_group("Schema Registry (through Kafka)"),
+                             what="jobs framed with the Job's JSON Schema, framed Results read too")
     # The engine in this process; through Kafka only --model (the tokenizer), --served-model-name
     # and --max-model-len apply (the workers' own settings do the rest).
     add_engine_options(p)
@@ -128,6 +136,7 @@ def _check_mode_flags(args: argparse.Namespace) -> None:
         ("--state", args.state is not None), ("--timeout", args.timeout is not None),
         ("--jobs-topic", args.jobs_topic != DEFAULT_JOBS_TOPIC),
         ("--results-topic", args.results_topic != DEFAULT_RESULTS_TOPIC),
+        ("--schema-registry", args.schema_registry is not None),
     ) if given]
     if kafka_only:
         raise EvalUsageError(f"{', '.join(kafka_only)} only work(s) through Kafka: add --bootstrap-servers")
@@ -148,10 +157,11 @@ def problems(args: argparse.Namespace) -> list[str]:
     torch or a model loads (worker/cli/preflight.py): every local problem at once, then, only when
     there is none, the round trips (an s3:// model, the broker)."""
     found = []
-    for check in (lambda: _task_names(args.tasks), lambda: _check_mode_flags(args), lambda: _generation_flags(args)):
+    for check in (lambda: _task_names(args.tasks), lambda: _check_mode_flags(args), lambda: _generation_flags(args),
+                  lambda: registry_settings_from_args(args)):
         try:
             check()
-        except EvalUsageError as exc:
+        except ValueError as exc:  # EvalUsageError, or a bad --schema-registry combination
             found.append(str(exc))
     for folder in args.include_path:
         found += preflight.folder(folder, "--include-path")
@@ -263,7 +273,7 @@ def _kafka_runner(args: argparse.Namespace, tasks: list[str]):
         args.state = str(fresh_state_path())  # named in the messages, for a rerun to resume
     state = Path(args.state)
     settings = KafkaSettings(args.bootstrap_servers, args.jobs_topic, args.results_topic, kafka_client_kwargs(args),
-                             name)
+                             name, registry_settings_from_args(args))
     runner = KafkaJobRunner(settings, state, identity, timeout_s=args.timeout, progress=not args.no_progress)
     return runner, tokenizer, name, max_length
 
@@ -343,6 +353,9 @@ def handle(args: argparse.Namespace) -> int:
     except Exception as exc:
         from tokenmill.kafka.security import access_denied
 
+        refused = registry_error_exit(prog, exc)  # a registry refusing or not answering: 76 / 77 / 1
+        if refused is not None:
+            return refused
         if access_denied(exc) is None and isinstance(exc, (RuntimeError, ValueError)):
             # A failed request (its error Result quoted) or a setting the evaluation cannot honour.
             print(f"{prog}: {exc}", file=sys.stderr)

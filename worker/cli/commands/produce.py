@@ -3,7 +3,10 @@
 Each line is a Job or an OpenAI batch line (custom_id + body; custom_id becomes the job_id). Invalid
 lines are reported with their line numbers and skipped (exit code 1), or stop the run with --strict
 (exit code 2; for a file, nothing is sent). A broker that refuses the credentials exits 76, a
-missing ACL (WRITE on the jobs topic) 77.
+missing ACL (WRITE on the jobs topic) 77. With --schema-registry, Jobs are written in Confluent's
+wire format with the Job's JSON Schema (subject <jobs topic>-value); a registry that refuses the
+credentials exits 76, one that refuses the permission 77, one that does not answer or refuses the
+schema 1.
 """
 
 from __future__ import annotations
@@ -12,6 +15,11 @@ import argparse
 import sys
 
 from tokenmill.cli.commands._kafka_client import add_kafka_client_args, client_error_exit, kafka_client_kwargs
+from tokenmill.cli.commands._registry_client import (
+    add_schema_registry_args,
+    registry_error_exit,
+    registry_settings_from_args,
+)
 
 HELP = "send Jobs (or OpenAI batch lines) from a JSONL file or stdin to the jobs topic"
 
@@ -28,6 +36,8 @@ def register(subparsers) -> None:
     p.add_argument("--rate", type=float, help="at most this many jobs per second")
     p.add_argument("--strict", action="store_true", help="stop at the first invalid line")
     p.add_argument("--no-progress", action="store_true")
+    add_schema_registry_args(p.add_argument_group("Schema Registry"),
+                             what="Jobs framed with the Job's JSON Schema (subject <jobs topic>-value)")
     p.set_defaults(func=handle)
 
 
@@ -38,6 +48,7 @@ def handle(args: argparse.Namespace) -> int:
 
     try:
         kafka_options = kafka_client_kwargs(args)
+        registry = registry_settings_from_args(args)
     except ValueError as exc:
         print(f"tokenmill produce: {exc}", file=sys.stderr)
         return 2
@@ -66,12 +77,15 @@ def handle(args: argparse.Namespace) -> int:
         report = asyncio.run(produce(
             stream, bootstrap_servers=args.bootstrap_servers, jobs_topic=args.jobs_topic, key=args.key,
             prefix_chars=args.prefix_chars, rate=args.rate, strict=args.strict, total=total,
-            progress=not args.no_progress, kafka_options=kafka_options,
+            progress=not args.no_progress, kafka_options=kafka_options, registry=registry,
         ))
     except ProduceAborted as exc:
         print(f"tokenmill produce: stopped at {exc} (--strict)", file=sys.stderr)
         return 2
     except Exception as exc:  # bad input: 2; refused credentials or a missing ACL: 76 / 77
+        refused = registry_error_exit("tokenmill produce", exc)
+        if refused is not None:
+            return refused
         return client_error_exit("tokenmill produce", exc, bad_input=(ValueError,))
     finally:
         if stream is not sys.stdin.buffer:

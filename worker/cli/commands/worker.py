@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from tokenmill.cli import preflight
 from tokenmill.cli.commands._kafka_client import add_kafka_security_args, kafka_security_from_args
+from tokenmill.cli.commands._registry_client import add_schema_registry_args, registry_settings_from_args
 from tokenmill.cli.engine_options import (
     add_engine_options,
     engine_config_from_args,
@@ -72,11 +73,7 @@ def register(subparsers) -> None:
 
     add_kafka_security_args(p.add_argument_group("Security (SSL, SASL PLAIN / SCRAM)"))
     r = p.add_argument_group("Schema Registry (opt in)")
-    r.add_argument("--schema-registry", default=None, metavar="URL",
-                   help="Confluent-compatible registry: outputs in Confluent's wire format, framed Jobs read too")
-    r.add_argument("--schema-registry-user", default=None)
-    r.add_argument("--schema-registry-password", default=None)
-    r.add_argument("--schema-registry-ca", default=None, help="CA file for an https registry")
+    add_schema_registry_args(r, what="outputs in Confluent's wire format, framed Jobs read too")
     r.add_argument("--result-format", default="json", choices=("json", "avro"),
                    help="Results as JSON Schema or Avro on the registry (default json)")
     p.set_defaults(func=run)
@@ -96,12 +93,7 @@ def settings_from_args(args):
         kv_low=max(0.0, kv_high - 0.15),
     )
     security = kafka_security_from_args(args)
-    registry = None
-    if args.schema_registry:
-        from tokenmill.kafka.registry import RegistrySettings
-
-        registry = RegistrySettings(args.schema_registry, args.schema_registry_user, args.schema_registry_password,
-                                    args.schema_registry_ca, result_format=args.result_format)
+    registry = registry_settings_from_args(args, result_format=args.result_format)
     settings = WorkerSettings(
         bootstrap_servers=args.bootstrap_servers,
         engine=engine,
