@@ -3,7 +3,7 @@
 PY := .venv/bin/python
 export OMP_WAIT_POLICY := PASSIVE
 
-.PHONY: setup demo test test-quick test-vllm lint lock kafka-jars vllm-env
+.PHONY: setup demo test test-quick test-vllm lint lock kafka-jars registry vllm-env
 
 setup:
 	@./scripts/bootstrap.sh
@@ -11,10 +11,16 @@ setup:
 kafka-jars: setup
 	@./deploy/kafka/kafka.sh fetch
 
+# The schema registry the tests start (Apicurio, about 160 MB from Maven Central, fetched once), and
+# a Java new enough to run it: here, not inside a test fixture's timeout.
+registry:
+	@./deploy/registry/registry.sh fetch
+	@./deploy/registry/registry.sh java >/dev/null
+
 demo: setup kafka-jars
 	@.venv/bin/tokenmill demo
 
-test: setup kafka-jars
+test: setup kafka-jars registry
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 	@$(MAKE) --no-print-directory test-vllm
 
