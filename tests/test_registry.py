@@ -92,6 +92,13 @@ def test_token_events_and_dead_letter_metadata_round_trip(schema_registry):
     assert info == {"code": "invalid_job", "message": "schema id 7 is not known", "worker": "w1",
                     "source": {"topic": "jobs", "partition": 3, "offset": 41}}
     assert dict(rec.headers)["tokenmill.error.code"] == b"invalid_job"  # the plain headers stay
+    # A value cut to fit the dead-letter topic: the framed record names its full length, as the plain header does.
+    big = b"{" + b"x" * 5000
+    cut = answers.dead_letter(b"k", big, "invalid_job", "not JSON", dlq_topic=topics["dlq_topic"], source_topic="jobs",
+                              partition=0, offset=1, dlq_partition=None, limit=2000, framing=framing, worker="w1")
+    assert cut.cut is not None and len(cut.value) < 2000 and big.startswith(cut.value)
+    info = _json_deserialized(schema_registry, topics["dlq_topic"], dict(cut.headers)[DEAD_LETTER_HEADER])
+    assert info["value_original_bytes"] == len(big) == int(dict(cut.headers)["tokenmill.value.original_bytes"])
 
 
 def test_output_subjects_are_created_forward_compatible_and_registering_again_is_idempotent(schema_registry):

@@ -120,20 +120,31 @@ def dead_letter(key: bytes | None, value: bytes | None, code: str, message: str,
                 limit: int | None = None, framing: Framing = PLAIN, worker: str | None = None) -> OutRecord:
     """Key and value bytes unchanged; the reason and the source in the contract's headers (with a
     schema registry, also as a framed DeadLetter record: registry.py). With a limit (the
-    dead-letter topic's max.message.bytes), a value too large is cut (sizing.py)."""
+    dead-letter topic's max.message.bytes), a value too large is cut (sizing.py); the framed
+    record then says the value's full length too (value_original_bytes)."""
     headers = dead_letter_headers(code, clip(message), topic=source_topic, partition=partition, offset=offset)
-    if framing.framed:
-        info = DeadLetter(code=code, message=clip(message), source=source_of(source_topic, partition, offset),
-                          worker=worker)
-        headers += framing.dead_letter_headers(info.to_json_bytes())
-    whole = OutRecord(dlq_topic, key, value, headers, dlq_partition)
-    return _fitted_dead_letter(whole, limit)
+
+    def record(original_bytes: int | None) -> OutRecord:
+        framed = []
+        if framing.framed:
+            info = DeadLetter(code=code, message=clip(message), source=source_of(source_topic, partition, offset),
+                              worker=worker, value_original_bytes=original_bytes)
+            framed = framing.dead_letter_headers(info.to_json_bytes())
+        return OutRecord(dlq_topic, key, value, headers + framed, dlq_partition)
+
+    whole = record(None)
+    to_cut = record(len(value)) if framing.framed and value else whole
+    return _fitted_dead_letter(whole, to_cut, limit)
 
 
-def _fitted_dead_letter(whole: OutRecord, limit: int | None) -> OutRecord:
+def _fitted_dead_letter(whole: OutRecord, to_cut: OutRecord, limit: int | None) -> OutRecord:
+    """``whole`` when it fits, else ``to_cut`` (the same, its framed metadata naming the value's
+    full length) with its value cut to fit."""
     rec, cut = fit_dead_letter(whole, limit) if limit is not None else (whole, False)
+    if cut:
+        rec, cut = fit_dead_letter(to_cut, limit)  # type: ignore[arg-type]
     rec.cut = CUT_DEAD_LETTER_VALUE if cut else None
-    rec.shrink = lambda refused: _fitted_dead_letter(whole, refused - 1)
+    rec.shrink = lambda refused: _fitted_dead_letter(whole, to_cut, refused - 1)
     return rec
 
 
