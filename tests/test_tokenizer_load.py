@@ -1,13 +1,13 @@
-"""load_tokenizer gives AutoTokenizer a plain config where that picks the same tokenizer: the same
-class, vocabulary, encodings, chat prompts and texts as AutoTokenizer on its own, without importing
-the model's config class (and with it torch.distributed, accelerate and sympy)."""
+"""load_transformers_tokenizer gives AutoTokenizer a plain config where that picks the same tokenizer:
+the same class, vocabulary, encodings, chat prompts and texts as AutoTokenizer on its own, without
+importing the model's config class (and with it torch.distributed, accelerate and sympy)."""
 
 import subprocess
 import sys
 
 import pytest
 
-from tokenmill.engine.tokenizer import load_tokenizer
+from tokenmill.engine.tokenizer import load_transformers_tokenizer
 from tokenmill.tools.smollm2 import cached_smollm2, unavailable_reason
 from tokenmill.tools.tiny_models import cached_tiny_model
 
@@ -27,7 +27,7 @@ def model_dir(request):
 def test_the_light_config_picks_the_tokenizer_autotokenizer_picks(model_dir):
     from transformers import AutoTokenizer
 
-    ours = load_tokenizer(model_dir)
+    ours = load_transformers_tokenizer(model_dir)
     theirs = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
     assert type(ours) is type(theirs) and len(ours) == len(theirs)
     assert ours.all_special_ids == theirs.all_special_ids
@@ -45,8 +45,8 @@ def test_the_light_config_picks_the_tokenizer_autotokenizer_picks(model_dir):
 
 
 def test_loading_the_tokenizer_leaves_the_model_config_classes_unimported():
-    code = ("import sys; from tokenmill.engine.tokenizer import load_tokenizer; "
-            f"load_tokenizer({str(cached_tiny_model('tiny-llama'))!r}); "
+    code = ("import sys, pathlib; from tokenmill.engine.tokenizer import load_transformers_tokenizer; "
+            f"load_transformers_tokenizer(pathlib.Path({str(cached_tiny_model('tiny-llama'))!r})); "
             "print(sorted(m for m in sys.modules if m.startswith(('transformers.models.llama', "
             "'torch.distributed.tensor', 'accelerate'))))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

@@ -19,6 +19,31 @@ TOKENIZER_CONFIG = "tokenizer_config.json"
 
 
 def load_tokenizer(path: str | Path):
+    """The checkpoint's tokenizer, never downloading anything: a LightTokenizer (light_tokenizer.py:
+    the `tokenizers` library, no transformers import) where the folder's record says it equals
+    transformers' tokenizer, else transformers' own. The first load of a folder uses transformers
+    and writes that record."""
+    from tokenmill.engine import light_tokenizer
+
+    model_dir = Path(path)
+    if not model_dir.is_dir():
+        raise CheckpointError(f"checkpoint directory {model_dir} does not exist")
+    if not has_tokenizer(model_dir):
+        raise CheckpointError(no_tokenizer_message(model_dir))
+
+    def with_transformers():
+        return load_transformers_tokenizer(model_dir)
+
+    recorded = light_tokenizer.load_recorded(model_dir, with_transformers)
+    if recorded:
+        return recorded
+    hf = with_transformers()
+    if recorded is None:  # no record yet (or an outdated one): compare the two and write it
+        return light_tokenizer.record(model_dir, str(model_dir), hf, with_transformers) or hf
+    return hf
+
+
+def load_transformers_tokenizer(model_dir: Path):
     """AutoTokenizer from the checkpoint directory, never downloading anything.
 
     Where tokenizer_config.json names its tokenizer class and config.json is of a model type we
@@ -28,11 +53,6 @@ def load_tokenizer(path: str | Path):
     start on a 2-core EPYC (tests/test_tokenizer_load.py holds the two ways equal)."""
     from transformers import AutoTokenizer
 
-    model_dir = Path(path)
-    if not model_dir.is_dir():
-        raise CheckpointError(f"checkpoint directory {model_dir} does not exist")
-    if not has_tokenizer(model_dir):
-        raise CheckpointError(no_tokenizer_message(model_dir))
     try:
         return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True, **_light_config(model_dir))
     except Exception as exc:  # transformers raises many types (OSError, ValueError, ...) for bad files
@@ -41,7 +61,7 @@ def load_tokenizer(path: str | Path):
 
 def _light_config(model_dir: Path) -> dict[str, Any]:
     """{"config": config.json as a plain PretrainedConfig} where that picks the tokenizer AutoTokenizer's
-    own config would (see load_tokenizer), else {} (AutoTokenizer's own way)."""
+    own config would (see load_transformers_tokenizer), else {} (AutoTokenizer's own way)."""
     try:
         named = read_json(model_dir / TOKENIZER_CONFIG).get("tokenizer_class")
         config = read_json(model_dir / CONFIG_FILE)

@@ -52,11 +52,13 @@ class LLGuidanceBackend:
     def _llg_tokenizer(self):
         with self._lock:
             if self._tokenizer is None:
-                import llguidance.hf
+                from llguidance import LLTokenizer
 
-                try:
-                    self._tokenizer = llguidance.hf.from_tokenizer(
-                        self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token_ids
+                from tokenmill.engine.light_tokenizer import rust_tokenizer_json
+
+                try:  # as llguidance.hf.from_tokenizer, without its import of transformers
+                    self._tokenizer = LLTokenizer(
+                        rust_tokenizer_json(self._hf_tokenizer), n_vocab=self.vocab_size, eos_token=self.eos_token_ids
                     )
                 except Exception as exc:  # a tokenizer llguidance cannot read fails every constraint
                     raise ConstraintError(f"the model's tokenizer cannot be used for constraints: {exc}") from exc
