@@ -10,6 +10,9 @@ and `structured` (constrained vs unconstrained, tools/bench_structured.py).
           Baseline: the same engine with prefix caching off.
 - structured: 256 requests over 8 JSON schemas, every row constrained, against the same requests
           unconstrained with the same output lengths (tools/bench_structured.py has its method).
+- features: the structured workload's prompts plain greedy and with each sampling feature alone
+          (structured JSON, logprobs, seeded top-p, penalties, stop strings, n, prompt_logprobs),
+          each feature's decode steps against the plain ones in lockstep (tools/bench_features.py).
 - n:      32 prompts with n = 8 samples each against the same 256 samples as single seeded jobs,
           the prefix cache on in both (tools/bench_n.py).
 - score:  256 score-only requests (64 four-choice questions over a shared ~400-token context)
@@ -50,7 +53,7 @@ from tokenmill.tools.bench_workloads import (  # noqa: F401 (re-exported: the be
     warm_up_workload,
 )
 
-WORKLOADS = ("mixed", "prefix", "structured", "score", "n")
+WORKLOADS = ("mixed", "prefix", "structured", "features", "score", "n")
 # The workloads another backend (--backend vllm) runs: those that measure an engine from outside (the
 # others read tokenmill's own engine's internals: its compile and mask timings, its fork of choices).
 OTHER_BACKEND_WORKLOADS = ("mixed", "prefix", "kafka")
@@ -234,7 +237,7 @@ def run_bench(
     workload_options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One workload's report, startup_s and first_result_s included (tools/bench_startup.py);
-    `repeats` is the structured workload's number of (constrained, unconstrained) pairs of passes;
+    `repeats` is the structured and features workloads' number of timed pairs of passes (per feature);
     `workload_options` go to the score workload's run_score (context_len, continuation_len,
     memory_tokens, threads)."""
     report = _workload_report(workload, model, num_requests=num_requests, seed=seed, engine_options=engine_options,
@@ -279,6 +282,8 @@ def _workload_report(
         return run_n(model, model_dir, mc, num_requests=num_requests, seed=seed, engine_options=options)
     if workload == "structured":
         return _structured_report(model, model_dir, mc, num_requests or 256, seed, options, repeats)
+    if workload == "features":
+        return _features_report(model, model_dir, mc, num_requests or 256, seed, options, repeats)
     if workload == "mixed":
         work = mixed_workload(mc.vocab_size, num_requests or 256, seed, special)
     else:
@@ -345,6 +350,21 @@ def _structured_report(model: str, model_dir: Path, mc, num_requests: int, seed:
     return report
 
 
+def _features_report(model: str, model_dir: Path, mc, num_requests: int, seed: int,
+                     options: dict[str, Any], repeats: int) -> dict[str, Any]:
+    from tokenmill.tools.bench_features import run_features
+    from tokenmill.tools.structured_workload import structured_workload
+
+    work = structured_workload(mc.vocab_size, num_requests, seed, special=set(mc.eos_token_ids))
+    need = max(len(p) for p in work.prompts) + work.max_tokens
+    if need > mc.max_model_len:
+        raise ValueError(f"the workload needs {need} positions; {model} allows {mc.max_model_len}")
+    report: dict[str, Any] = {"workload": "features", "model": model}
+    report.update(run_features(model_dir, work, options, repeats=repeats))
+    report["engine_options"] = dict(options)
+    return report
+
+
 def format_table(report: dict[str, Any]) -> str:
     if report["workload"] == "score":
         from tokenmill.tools.bench_score import format_score_table
@@ -354,6 +374,10 @@ def format_table(report: dict[str, Any]) -> str:
         from tokenmill.tools.bench_n import format_n_table
 
         return format_n_table(report)
+    if report["workload"] == "features":
+        from tokenmill.tools.bench_features import format_features_table
+
+        return format_features_table(report)
     if report["workload"] == "structured":
         from tokenmill.tools.bench_structured import format_structured_table
 

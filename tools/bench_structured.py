@@ -75,7 +75,7 @@ class PassRun:
         return [s for s in self.steps if s["seqs"] == rows and s["tokens"] == rows]
 
 
-class _Pass:
+class SteppedPass:
     """One pass being driven step by step: the engine's record of each step, its own time."""
 
     def __init__(self, engine, requests: list) -> None:
@@ -113,15 +113,15 @@ class _Pass:
         return PassRun(self.results, self.steps, self.wall_s, self.cpu_s)
 
 
-def _drive(engine, requests: list) -> PassRun:
+def drive(engine, requests: list) -> PassRun:
     """Add the requests and step until all have finished, keeping the engine's record of each step."""
-    one = _Pass(engine, requests)
+    one = SteppedPass(engine, requests)
     while not one.done:
         one.step()
     return one.run()
 
 
-def _drive_in_lockstep(a: _Pass, b: _Pass) -> tuple[PassRun, PassRun]:
+def drive_in_lockstep(a: SteppedPass, b: SteppedPass) -> tuple[PassRun, PassRun]:
     """Step two passes (on two engines) in turn, one step each, until both are done: a burst of a
     neighbour on a shared machine lands on both within one step, so their step times compare."""
     while not (a.done and b.done):
@@ -131,11 +131,11 @@ def _drive_in_lockstep(a: _Pass, b: _Pass) -> tuple[PassRun, PassRun]:
     return a.run(), b.run()
 
 
-def _mean_ms(steps: list[dict], key: str) -> float:
+def mean_ms(steps: list[dict], key: str) -> float:
     return 1e3 * sum(s[key] for s in steps) / len(steps)
 
 
-def _median_ms(steps: list[dict]) -> float:
+def median_ms(steps: list[dict]) -> float:
     return 1e3 * percentile([s["wall_s"] for s in steps], 50)
 
 
@@ -157,9 +157,9 @@ def _plain_requests(work: StructuredWorkload, r: int, lengths: list[int]) -> lis
 
 
 def _masked_drive(engine, requests: list) -> tuple[PassRun, list[float], list[int]]:
-    """_drive, with the mask timings (seconds, rows) the engine recorded during the pass."""
+    """drive, with the mask timings (seconds, rows) the engine recorded during the pass."""
     k = len(engine.metrics.mask_s)
-    run = _drive(engine, requests)
+    run = drive(engine, requests)
     return run, engine.metrics.mask_s[k:], engine.metrics.mask_rows[k:]
 
 
@@ -207,7 +207,7 @@ def run_structured(model_dir: Path, work: StructuredWorkload, engine_options: di
     if min(lengths) < 1:
         raise RuntimeError("a constrained request produced no tokens; the unconstrained pass cannot match it")
     # The timed pairs: the constrained pass again on this engine and the unconstrained one on a
-    # second engine of the same model and settings, stepped in turn (_drive_in_lockstep).
+    # second engine of the same model and settings, stepped in turn (drive_in_lockstep).
     plain_engine = Engine(EngineConfig(model=str(model_dir), **engine_options))
     plain_engine.generate([EngineRequest(request_id="warm", prompt_token_ids=[1] * 40,
                                          sampling=SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))])
@@ -215,8 +215,8 @@ def run_structured(model_dir: Path, work: StructuredWorkload, engine_options: di
     repeats_equal = True
     for r in range(1, repeats + 1):
         k = len(engine.metrics.mask_s)
-        c_run, u_run = _drive_in_lockstep(_Pass(engine, _constrained_requests(work, r)),
-                                          _Pass(plain_engine, _plain_requests(work, r, lengths)))
+        c_run, u_run = drive_in_lockstep(SteppedPass(engine, _constrained_requests(work, r)),
+                                         SteppedPass(plain_engine, _plain_requests(work, r, lengths)))
         mask_s, mask_rows = mask_s + engine.metrics.mask_s[k:], mask_rows + engine.metrics.mask_rows[k:]
         repeats_equal &= all(c_run.results[f"c{r}.{i}"].output_token_ids == outputs[i].output_token_ids
                              for i in range(n))
@@ -239,9 +239,9 @@ def run_structured(model_dir: Path, work: StructuredWorkload, engine_options: di
     if not c_steps or not u_steps:
         raise RuntimeError(f"no pure decode step at the peak batch of {peak} rows "
                            f"(constrained {len(c_steps)}, unconstrained {len(u_steps)}): raise max_tokens")
-    c_ms, u_ms = _mean_ms(c_steps, "wall_s"), _mean_ms(u_steps, "wall_s")
-    c_cpu_ms, u_cpu_ms = _mean_ms(c_steps, "cpu_s"), _mean_ms(u_steps, "cpu_s")
-    pair_overheads = [_mean_ms(c.decode_steps_at(peak), "wall_s") / _mean_ms(u.decode_steps_at(peak), "wall_s") - 1
+    c_ms, u_ms = mean_ms(c_steps, "wall_s"), mean_ms(u_steps, "wall_s")
+    c_cpu_ms, u_cpu_ms = mean_ms(c_steps, "cpu_s"), mean_ms(u_steps, "cpu_s")
+    pair_overheads = [mean_ms(c.decode_steps_at(peak), "wall_s") / mean_ms(u.decode_steps_at(peak), "wall_s") - 1
                       for c, u in pairs if c.decode_steps_at(peak) and u.decode_steps_at(peak)]
     mask_at_peak = [s for s, rows in zip(mask_s, mask_rows, strict=True) if rows == peak]
     mask_peak_ms = 1e3 * sum(mask_at_peak) / len(mask_at_peak) if mask_at_peak else 0.0
@@ -261,11 +261,11 @@ def run_structured(model_dir: Path, work: StructuredWorkload, engine_options: di
         peak_decode_steps_constrained=len(c_steps), peak_decode_steps_unconstrained=len(u_steps),
         step_overhead_fraction_pairs=pair_overheads,
         # the same by median step: a neighbour's burst on a shared machine moves a mean more
-        step_overhead_fraction_median=_median_ms(c_steps) / _median_ms(u_steps) - 1.0,
+        step_overhead_fraction_median=median_ms(c_steps) / median_ms(u_steps) - 1.0,
         step_overhead_fraction_by_cpu_time=c_cpu_ms / u_cpu_ms - 1.0 if u_cpu_ms > 0 else 0.0,
         step_cpu_ms_constrained=c_cpu_ms, step_cpu_ms_unconstrained=u_cpu_ms,
         # forward + LM head + sampling (the mask's apply included) of the same steps
-        step_model_ms_constrained=_mean_ms(c_steps, "model_s"), step_model_ms_unconstrained=_mean_ms(u_steps, "model_s"),
+        step_model_ms_constrained=mean_ms(c_steps, "model_s"), step_model_ms_unconstrained=mean_ms(u_steps, "model_s"),
         mask_ms_p50=1e3 * percentile(mask_s, 50), mask_ms_p99=1e3 * percentile(mask_s, 99),
         mask_ms_at_peak=mask_peak_ms, mask_share_of_step_at_peak=mask_peak_ms / c_ms if c_ms > 0 else 0.0,
         mask_steps=len(mask_s),

@@ -1,4 +1,4 @@
-"""`tokenmill bench --workload {mixed,prefix,kafka,structured,score,n} --model {tiny-llama,smollm2,DIR} [--json PATH]`."""
+"""`tokenmill bench --workload {mixed,prefix,kafka,structured,features,score,n} --model {tiny-llama,smollm2,DIR} [--json PATH]`."""
 
 from __future__ import annotations
 
@@ -13,15 +13,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "bench",
         help="benchmark the engine: mixed (vs transformers generate), prefix (vs no prefix cache), "
         "kafka (mixed through a broker and a worker vs the engine alone), structured (JSON-schema "
-        "constrained vs unconstrained), score (multiple-choice loglikelihoods vs transformers), n (n = 8 "
-        "samples per prompt vs single jobs)",
+        "constrained vs unconstrained), features (each sampling feature alone vs plain greedy rows), "
+        "score (multiple-choice loglikelihoods vs transformers), n (n = 8 samples per prompt vs single jobs)",
         description=(
             "mixed: 256 requests, prompt 16-512 tokens, output 16-256 (ignore_eos), against transformers "
             "generate with the best static batch of 8/32/64. prefix: 128 requests sharing a 512-token "
             "prefix plus 32 unique tokens, 32 output tokens, against the same engine without prefix "
             "caching. kafka: the mixed workload through a real broker and a worker, against the engine "
             "alone. structured: 256 requests over 8 JSON schemas, every row constrained, against the "
-            "same requests unconstrained with the same output lengths. score: 64 four-choice questions "
+            "same requests unconstrained with the same output lengths. features: the structured workload's "
+            "prompts plain greedy and with each feature alone (structured JSON, logprobs 5, seeded top-p, "
+            "penalties, stop strings, n 4, prompt_logprobs 5), each feature's decode steps against the plain "
+            "ones in lockstep, with the CPU's AVX2, AVX-512 and AMX named. score: 64 four-choice questions "
             "(a ~400-token shared context, ~10-token continuations), 256 score-only requests, against "
             "transformers computing the same loglikelihoods (best batch of 8/32), plus the peak memory of "
             "one --memory-tokens prompt scored against the same prompt plain. n: 32 prompts (200-300 "
@@ -31,7 +34,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "engine's first finished request). Prints a table; --json writes the report."
         ),
     )
-    p.add_argument("--workload", required=True, choices=["mixed", "prefix", "kafka", "structured", "score", "n"])
+    p.add_argument("--workload", required=True,
+                   choices=["mixed", "prefix", "kafka", "structured", "features", "score", "n"])
     p.add_argument("--bootstrap-servers", default=None,
                    help="kafka workload: an existing broker (default: start a throw-away local one)")
     p.add_argument("--model", required=True, help="tiny-llama, smollm2 or a checkpoint directory")
@@ -44,8 +48,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="torch intra-op threads for both sides, the engine's --cpu-threads included "
                    "(default 1: shared small CPUs stall otherwise)")
     p.add_argument("--repeats", type=positive_int, default=3,
-                   help="structured: run the (constrained, unconstrained) pair of passes this many times, "
-                   "alternating, and pool their step times (default 3)")
+                   help="structured and features: run each (constrained or feature, plain) pair of passes this "
+                   "many times, in lockstep, and pool their step times (default 3)")
     p.add_argument("--memory-tokens", type=int, default=None, metavar="N",
                    help="score: prompt length of the memory figure (default 4096; 0 skips it)")
     p.add_argument("--full-sweep", action="store_true",
