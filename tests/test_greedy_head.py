@@ -211,3 +211,21 @@ def test_rows_that_need_logits_keep_the_full_head(tiny_llama_dir, monkeypatch):
     assert results["lp"].logprobs  # the logprobs row got its logprobs
     # the logprobs and sampled rows outlive the greedy ones: every step computed logits
     assert GreedyIds.__name__ not in calls_on
+
+
+def test_constrained_greedy_rows_take_the_screen_under_their_mask(tiny_llama_dir, monkeypatch):
+    """Rows under a JSON schema are screened with their mask on the screen: the same outputs as the
+    full head and the mask (screen off), valid JSON, and their steps return GreedyIds."""
+    from tokenmill.engine.types import StructuredOutputsParams
+    from tokenmill.tools.structured_workload import SCHEMAS, check_json
+
+    requests = [EngineRequest(request_id=f"s{i}", prompt_token_ids=[(5 * i + j) % 900 + 10 for j in range(6 + i)],
+                              sampling=SamplingParams(max_tokens=200, temperature=0.0, structured_outputs=(
+                                  StructuredOutputsParams(json=SCHEMAS[i % len(SCHEMAS)].schema))))
+                for i in range(8)]
+    on, calls_on, results = _generate(tiny_llama_dir, requests, monkeypatch, True)
+    off, calls_off, _ = _generate(tiny_llama_dir, requests, monkeypatch, False)
+    assert on == off
+    assert GreedyIds.__name__ in calls_on and GreedyIds.__name__ not in calls_off
+    for i in range(8):
+        assert check_json(results[f"s{i}"].output_text, SCHEMAS[i % len(SCHEMAS)].schema) is None

@@ -31,7 +31,8 @@ How, for one row with hidden state h (float32) and LM-head rows w_j:
 A row whose hidden state or screen is not finite, or that keeps more than MAX_CANDIDATES candidates,
 sends its step to the full head; a screen that does so in more than a quarter of its first steps (a
 trained head whose bound is too loose to narrow it) turns itself off. Only plain greedy rows come
-here (no logprobs, penalties, masks or min_tokens: the caller checks); they need the argmax only.
+here (no logprobs, penalties or min_tokens: the caller checks); they need the argmax only. A row under
+a constraint's token mask is masked on the screen: its disallowed ids are -inf there, never candidates.
 Off with the engine's `greedy_screen` setting (paths.py), and wherever oneDNN has no bfloat16 GEMM or
 the C kernel (csrc/greedy_screen.c) cannot be built: then every row takes the full head.
 """
@@ -40,6 +41,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -152,9 +154,12 @@ class GreedyScreen:
             _warm_every_row_count(weight, packed)
         return cls(weight, packed, k_block, lib)
 
-    def greedy_ids(self, hidden: torch.Tensor) -> torch.Tensor | None:
+    def greedy_ids(self, hidden: torch.Tensor, mask: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor | None:
         """int64 [N]: the argmax of hidden [N, K] @ weight.T that the full float32 head gives; None when
-        a row is not finite (the caller takes the full head)."""
+        a row is not finite (the caller takes the full head). `mask` (a structured-output constraint)
+        sets the disallowed ids of each row of the screen to -inf in place: the screen's maximum is
+        then the best allowed one, no disallowed id is a candidate, and the token is the full head's
+        argmax over the allowed ids."""
         if not self.enabled:
             return None
         hidden = hidden.float().contiguous()
@@ -163,6 +168,8 @@ class GreedyScreen:
         if n == 0:
             return ids
         screen = gemm.linear(hidden.to(torch.bfloat16), self.weight, None, self.packed).contiguous()
+        if mask is not None:
+            mask(screen)
         cand = torch.empty(n, dtype=torch.int64)
         self._lib.greedy_from_screen(
             screen.data_ptr(), screen.stride(0), hidden.data_ptr(), hidden.stride(0),

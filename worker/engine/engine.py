@@ -393,9 +393,10 @@ class Engine:
         runner = self.runner
         # Constrained rows get their masks filled on other threads while the forward runs.
         token_mask = None if overlapped else self.constraints.start_step(out)
-        # Without a mask or a fork to feed, plain greedy rows need their argmax only (GreedyIds).
-        argmax_ok = token_mask is None and not self.groups
-        logits, step_in = runner.execute(out, self.overlap.pending if overlapped else None, argmax_ok)
+        # Without a fork to feed, plain greedy rows need their argmax only (GreedyIds); constrained
+        # ones too, their mask applied to the greedy screen.
+        argmax_ok = not self.groups
+        logits, step_in = runner.execute(out, self.overlap.pending if overlapped else None, argmax_ok, token_mask)
         if step_in is None:
             return None
         self.metrics.record_kv_use(step_in, self.block_manager.num_used_blocks)

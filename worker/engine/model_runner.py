@@ -26,12 +26,13 @@ execute frees their block-table rows before it places the step's requests.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import math
 import sys
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from operator import attrgetter, getitem
 from typing import TYPE_CHECKING
@@ -49,6 +50,7 @@ from tokenmill.engine.scoring import ScoreRows, record_scores, score_rows
 
 if TYPE_CHECKING:
     from tokenmill.engine.scheduler import SchedulerOutput
+    from tokenmill.engine.structured.constraints import StepMask
 
 log = logging.getLogger(__name__)
 
@@ -505,15 +507,17 @@ class ModelRunner:
         return buf[:rows]
 
     def execute(
-        self, out: SchedulerOutput, pending: PendingTokens | None = None, argmax_ok: bool = False
+        self, out: SchedulerOutput, pending: PendingTokens | None = None, argmax_ok: bool = False,
+        token_mask: StepMask | None = None,
     ) -> tuple[torch.Tensor | GreedyIds | None, StepInputs | None]:
         """Free the rows of the requests `out` names as finished or preempted, then launch one
         batched forward over its requests; returns float32 logits [num sampling requests, vocab]
         (None when no row samples) and the step's StepInputs (both None for an empty step).
 
         `pending`: the previous step's sampled ids when they are not on the host yet.
-        `argmax_ok`: the caller needs no logits row but each row's sampled token (no mask, no fork):
-        when every sampling row is then plain greedy, the result may be GreedyIds instead.
+        `argmax_ok`: the caller needs no logits row but each row's sampled token (no fork): when
+        every sampling row is then plain greedy, the result may be GreedyIds instead, taken under
+        `token_mask` (the step's constraint mask, applied to the greedy screen) where there is one.
         Nothing here waits for the GPU: on CUDA the logits are still being computed when this
         returns. last_forward_s is the forward's wall time on the CPU (where it runs synchronously);
         on CUDA, forward_start is a CUDA event recorded just before the forward, for timing it.
@@ -523,11 +527,11 @@ class ModelRunner:
             return None, None
         cuts = self._plan_parts(out) if self.step_parts is not None and pending is None else None
         if cuts is not None:
-            return self._execute_in_parts(out, cuts, argmax_ok)
-        return self._execute_whole(out, pending, argmax_ok)
+            return self._execute_in_parts(out, cuts, argmax_ok, token_mask)
+        return self._execute_whole(out, pending, argmax_ok, token_mask)
 
     def _execute_whole(
-        self, out: SchedulerOutput, pending: PendingTokens | None, argmax_ok: bool
+        self, out: SchedulerOutput, pending: PendingTokens | None, argmax_ok: bool, token_mask: StepMask | None
     ) -> tuple[torch.Tensor | GreedyIds | None, StepInputs | None]:
         # Metadata is built outside inference mode: backends may key per-step plans on tensor versions.
         input_ids, positions, meta, output_rows, stats = self.prepare(out.requests, out.num_new_tokens, pending)
@@ -541,7 +545,7 @@ class ModelRunner:
                 logits = self.graph_runner.run(input_ids, positions, meta)
                 self.num_graph_steps += 1
             else:
-                logits = self._forward(input_ids, positions, meta, output_rows, stats, argmax_ok)
+                logits = self._forward(input_ids, positions, meta, output_rows, stats, argmax_ok, token_mask)
         self.last_forward_s = time.perf_counter() - t0
         return logits, stats
 
@@ -567,7 +571,7 @@ class ModelRunner:
         return plan_parts(n, seq_lens, self.step_parts.parts, self._key_weight, samples, self._head_weight)
 
     def _execute_in_parts(
-        self, out: SchedulerOutput, cuts: list[slice], argmax_ok: bool
+        self, out: SchedulerOutput, cuts: list[slice], argmax_ok: bool, token_mask: StepMask | None
     ) -> tuple[torch.Tensor | GreedyIds | None, StepInputs]:
         """The step with its model body cut into parts run side by side on the pool's threads, and
         the greedy rows' ids found there too; the full LM head, where needed, once over the joined
@@ -581,29 +585,36 @@ class ModelRunner:
         want_ids = bool(stats.sample_requests) and argmax_ok and Sampler.argmax_is_enough(
             [r.sampling_inputs for r in stats.sample_requests])
         t0 = time.perf_counter()
+        # Each part's screen takes its own rows of the step's mask: those from its first sampling row.
+        firsts = np.cumsum([0] + [len(p[4].sample_requests) for p in parts[:-1]]).tolist()
+        masks = [None if token_mask is None else functools.partial(token_mask.apply, first_row=f) for f in firsts]
         with torch.inference_mode():
-            done = self.step_parts.map(self._part, [(*p[:4], want_ids and bool(p[4].sample_requests)) for p in parts])
+            done = self.step_parts.map(self._part, [(*p[:4], want_ids and bool(p[4].sample_requests), m)
+                                                    for p, m in zip(parts, masks, strict=True)])
             hidden = torch.cat([h for h, _ in done])
             ids = [i for _, i in done]
             if want_ids and all(i is not None for i, p in zip(ids, parts, strict=True) if p[4].sample_requests):
                 result: torch.Tensor | GreedyIds | None = GreedyIds(torch.cat([i for i in ids if i is not None]))
             else:
-                # A screen that could not narrow a part's rows: the full head over every row.
+                # A screen that could not narrow a part's rows: the full head over every row (the
+                # sampler masks its logits).
                 result = self._head(hidden, stats, False)
         self.last_forward_s = time.perf_counter() - t0
         self.num_split_steps += 1
         return result, stats
 
-    def _part(self, input_ids, positions, meta, output_rows, want_ids: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One part of a split step, on its pool thread: its output rows, and their greedy ids when
-        wanted and the screen finds them (else None)."""
+    def _part(self, input_ids, positions, meta, output_rows, want_ids: bool,
+              mask: Callable[[torch.Tensor], None] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One part of a split step, on its pool thread: its output rows, and their greedy ids (under
+        the part's rows of the step's mask) when wanted and the screen finds them (else None)."""
         hidden = self._body(input_ids, positions, meta, output_rows)
-        return hidden, self.model.greedy_ids(hidden) if want_ids else None
+        return hidden, self.model.greedy_ids(hidden, mask) if want_ids else None
 
     def _body(self, input_ids, positions, meta, output_rows) -> torch.Tensor:
         return self.model(input_ids, positions, meta, self.kv_caches, output_rows)
 
-    def _forward(self, input_ids, positions, meta, output_rows, stats, argmax_ok=False) -> torch.Tensor | GreedyIds | None:
+    def _forward(self, input_ids, positions, meta, output_rows, stats, argmax_ok=False,
+                 token_mask: StepMask | None = None) -> torch.Tensor | GreedyIds | None:
         # With output_rows (any step that is not pure decode) the hidden states are those rows only:
         # the sampling rows, then the scored prompt positions.
         hidden = self._body(input_ids, positions, meta, output_rows)
@@ -613,15 +624,16 @@ class ModelRunner:
             # synchronous anyway (overlap.needs_host_history).
             record_scores(stats.scores, hidden[num_samples:], self.model)
             hidden = hidden[:num_samples]
-        return self._head(hidden, stats, argmax_ok)
+        return self._head(hidden, stats, argmax_ok, token_mask)
 
-    def _head(self, hidden: torch.Tensor, stats: StepInputs, argmax_ok: bool) -> torch.Tensor | GreedyIds | None:
+    def _head(self, hidden: torch.Tensor, stats: StepInputs, argmax_ok: bool,
+              token_mask: StepMask | None = None) -> torch.Tensor | GreedyIds | None:
         """The sampling rows' logits, or their greedy ids (see execute)."""
         num_samples = len(stats.sample_requests)
         if not num_samples:
             return None
         if argmax_ok and Sampler.argmax_is_enough([r.sampling_inputs for r in stats.sample_requests]):
-            ids = self.model.greedy_ids(hidden)
+            ids = self.model.greedy_ids(hidden, None if token_mask is None else token_mask.apply)
             if ids is not None:
                 return GreedyIds(ids)
         return self.model.compute_logits(hidden, out=self._logits_buffer(hidden))

@@ -63,9 +63,13 @@ class SamplingInputs:
 
 
 class TokenMask(Protocol):
-    """Masks the disallowed ids of some rows of a step's logits to -inf, in place."""
+    """Masks the disallowed ids of some rows of a step's logits to -inf, in place (`apply`), or
+    gives every row's argmax under the mask (`argmax`: greedy rows need nothing else, and on the
+    CPU it costs a fraction of writing the mask; structured/constraints.py)."""
 
     def apply(self, logits: torch.Tensor) -> None: ...
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor: ...
 
 
 @dataclass
@@ -180,6 +184,10 @@ class Sampler:
         logits = self._check(logits, inputs)
         raw = logits
         if token_mask is not None:
+            if self.argmax_is_enough(inputs, logprobs_ok=True):
+                # Greedy rows under a mask, some with logprobs: the masked argmax leaves the logits
+                # unmasked, as the logprobs want them (no copy, no mask written).
+                return self._with_logprobs(logits, token_mask.argmax(logits), inputs)
             if any(inp.params.logprobs is not None for inp in inputs):
                 raw = logits.clone()  # logprobs are of the unmasked distribution
             token_mask.apply(logits)
@@ -198,6 +206,8 @@ class Sampler:
         if any(inp.params.logprobs is not None for inp in inputs):
             raise ValueError("sample_ids does not compute logprobs; call the sampler itself for such rows")
         if token_mask is not None:
+            if self.argmax_is_enough(inputs):
+                return token_mask.argmax(logits)
             token_mask.apply(logits)
         if self.argmax_is_enough(inputs):
             return greedy_argmax(logits)
@@ -233,14 +243,15 @@ class Sampler:
         return logits.float().contiguous()
 
     @staticmethod
-    def argmax_is_enough(inputs: Sequence[SamplingInputs]) -> bool:
-        """Every row is plain greedy (no logprobs, penalties or min_tokens blocking): its token is
-        the argmax of its logits (masked first where the step has a token mask)."""
+    def argmax_is_enough(inputs: Sequence[SamplingInputs], logprobs_ok: bool = False) -> bool:
+        """Every row is plain greedy (no logprobs unless `logprobs_ok`, no penalties or min_tokens
+        blocking): its token is the argmax of its logits (masked first where the step has a token
+        mask)."""
         for inp in inputs:
             p = inp.params
             if (
                 not is_greedy(p)
-                or p.logprobs is not None
+                or (p.logprobs is not None and not logprobs_ok)
                 or has_penalties(p)
                 or (p.min_tokens and _min_tokens_blocked_ids(inp))
             ):

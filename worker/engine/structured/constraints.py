@@ -5,7 +5,9 @@
   with the compiler's reason.
 - Each step, the constrained rows that sample get their bitmask rows filled on the backend's
   threads while the forward runs (`start_step`); the mask is applied to the logits before
-  sampling (`StepMask.apply`, kernels/token_bitmask.py).
+  sampling (`StepMask.apply`: cpu_mask.py on the CPU, kernels/token_bitmask.py on CUDA), or greedy
+  rows take their masked argmax without it (`StepMask.argmax`), or the greedy screen masks its
+  bfloat16 screen of the LM head with it and no logits are made at all.
 - Each token taken in advances its request's matcher (`accept`); a complete grammar ends the
   request (`finished`). The matcher lives on the Request, so preemption and recompute keep it:
   recompute rebuilds KV only, the output tokens it has consumed stay.
@@ -16,6 +18,7 @@ token on the host.
 
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
@@ -23,7 +26,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from tokenmill.engine.metrics import EngineMetrics
+from tokenmill.engine.sampler import greedy_argmax
 from tokenmill.engine.structured.compiler import CompileEntry, ConstraintCompiler
+from tokenmill.engine.structured.cpu_mask import apply_bitmask, masked_argmax
 from tokenmill.engine.structured.llguidance_backend import LLGuidanceBackend
 
 if TYPE_CHECKING:
@@ -32,7 +37,14 @@ if TYPE_CHECKING:
 
 
 class StepMask:
-    """The bitmask of one step's constrained rows, being filled while the forward runs."""
+    """The bitmask of one step's constrained rows, being filled while the forward runs.
+
+    Its users: the sampler masks the logits (`apply`), or takes the greedy rows' masked argmax
+    without writing the mask at all (`argmax`); the greedy screen masks its bfloat16 screen of
+    the LM head (`apply` on the screen, kernels/cpu/greedy_screen.py), part by part in a step run
+    in parts (`first_row`). On the CPU both go through cpu_mask.py, on CUDA through the Triton
+    kernel. The fill and every use of one step count as one entry of the mask metrics.
+    """
 
     def __init__(self, fill: Future, bitmask: torch.Tensor, rows: list[int], metrics: EngineMetrics) -> None:
         self._fill = fill
@@ -42,6 +54,10 @@ class StepMask:
         # (row k of the bitmask, another sampling row it also masks): forked choices of an n > 1
         # request sample from their parent's logits row under its mask (sample_groups.py).
         self._repeats: list[tuple[int, int]] = []
+        self._entry: int | None = None  # this step's index in the mask metrics, once recorded
+        self._entries: list[float] | None = None  # the metrics' list it is in
+        self._fill_s = 0.0
+        self._lock = threading.Lock()  # the parts of a step in parts mask their screens side by side
 
     def wait_filled(self) -> None:
         """Until the helper thread is done with the matchers (before one is copied)."""
@@ -52,23 +68,58 @@ class StepMask:
         if row in self.rows:
             self._repeats.append((self.rows.index(row), new_row))
 
-    def apply(self, logits: torch.Tensor) -> None:
-        """Wait for the fill, then mask the rows' disallowed ids to -inf in place."""
-        # Imported at the first mask, not with this module: Triton's import is a tenth of a CPU
-        # engine's start, and an engine that never constrains a row never needs it.
-        from tokenmill.kernels.token_bitmask import apply_token_bitmask
-
-        fill_s = self._fill.result()
+    def apply(self, logits: torch.Tensor, first_row: int = 0) -> None:
+        """Wait for the fill, then mask the disallowed ids to -inf in place; row i of `logits` is
+        sampling row first_row + i (a part of a step in parts gives its own first row)."""
+        self._wait()
         t0 = time.perf_counter()
-        every_row = len(self.rows) == logits.shape[0]  # rows are ascending sampling rows
-        rows = None if every_row else torch.tensor(self.rows, dtype=torch.long, device=logits.device)
-        apply_token_bitmask(logits, self._bitmask, rows)
-        if self._repeats:
-            src = [k for k, _ in self._repeats]
-            dst = torch.tensor([r for _, r in self._repeats], dtype=torch.long, device=logits.device)
-            apply_token_bitmask(logits, self._bitmask[src], dst)
-        self._metrics.mask_s.append(fill_s + time.perf_counter() - t0)
-        self._metrics.mask_rows.append(len(self.rows) + len(self._repeats))
+        bitmask, rows = self._rows_within(first_row, logits.shape[0], logits.device)
+        if logits.device.type == "cpu":
+            apply_bitmask(logits, bitmask, rows)
+        else:
+            from tokenmill.kernels.token_bitmask import apply_token_bitmask
+
+            apply_token_bitmask(logits, bitmask, rows)
+        self._record(t0)
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """int64 [N]: every row's greedy token under its mask (rows without one: the plain argmax),
+        the same as apply + argmax; on the CPU the logits are left as they are."""
+        if logits.device.type != "cpu":
+            self.apply(logits)
+            return greedy_argmax(logits)
+        self._wait()
+        t0 = time.perf_counter()
+        bitmask, rows = self._rows_within(0, logits.shape[0], logits.device)
+        ids = masked_argmax(logits, bitmask, rows)
+        self._record(t0)
+        return ids
+
+    def _wait(self) -> None:
+        self._fill_s = self._fill.result()
+
+    def _rows_within(self, first: int, count: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(mask rows, the rows of a tensor of sampling rows first ... first + count - 1 they mask);
+        rows None: mask row i for tensor row i."""
+        pairs = [(k, row) for k, row in enumerate(self.rows)] + self._repeats
+        if first == 0 and not self._repeats and len(self.rows) == count and self.rows[-1] == count - 1:
+            return self._bitmask, None  # rows 0 ... count - 1 (they are ascending): every row, in order
+        pairs = [(k, row - first) for k, row in pairs if first <= row < first + count]
+        index = torch.tensor([k for k, _ in pairs], dtype=torch.long)
+        rows = torch.tensor([row for _, row in pairs], dtype=torch.long, device=device)
+        return self._bitmask.index_select(0, index), rows
+
+    def _record(self, t0: float) -> None:
+        """This step's fill time and the time of this use, in one entry of the mask metrics."""
+        used = time.perf_counter() - t0
+        m = self._metrics
+        with self._lock:
+            if self._entry is None:
+                self._entry, self._entries = len(m.mask_s), m.mask_s
+                m.mask_s.append(self._fill_s + used)
+                m.mask_rows.append(len(self.rows) + len(self._repeats))
+            elif m.mask_s is self._entries:  # (not drained since: the entry is still there)
+                m.mask_s[self._entry] += used
 
 
 class Constraints:
