@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 import urllib.request
 import uuid
@@ -53,6 +54,7 @@ class RegistryFleet:
     topics: Topics
     result_format: str  # json | avro
     model: str  # the served model name
+    model_dir: str  # its checkpoint (eval reads its tokenizer)
 
     def confluent(self) -> SchemaRegistryClient:
         return SchemaRegistryClient({"url": self.registry})
@@ -99,7 +101,8 @@ def fleet(request, kafka_bootstrap, schema_registry, tiny_llama_dir, tmp_path_fa
             assert proc.poll() is None, log.read_text()[-3000:]
             assert time.monotonic() < deadline, f"the worker did not start serving: {log.read_text()[-3000:]}"
             time.sleep(0.3)
-        yield RegistryFleet(kafka_bootstrap, schema_registry, topics, fmt, Path(tiny_llama_dir).name)
+        yield RegistryFleet(kafka_bootstrap, schema_registry, topics, fmt, Path(tiny_llama_dir).name,
+                            str(tiny_llama_dir))
     finally:
         code = stop_process(proc)
         assert code == 0, log.read_text()[-3000:]
@@ -237,3 +240,22 @@ def test_evals_kafka_runner_sends_framed_jobs_and_reads_the_framed_results(fleet
     assert all(r.status == "ok" and len(r.token_ids) == 2 and len(r.logprobs) == 2 for r in got.values())
     sent = _records(fleet, fleet.topics.jobs, {j.job_id.encode() for j in jobs})
     assert all(fleet.json_of(fleet.topics.jobs, recs[0].value)["job_id"] == key.decode() for key, recs in sent.items())
+
+
+def test_tokenmill_eval_through_the_fleet_with_the_registry(fleet, tmp_path, capsys):
+    out = tmp_path / "results.json"
+    code = tokenmill(["eval", "--model", fleet.model_dir, "--tasks", "tokenmill_mc", "--limit", "2",
+                      "--bootstrap-iters", "0", "--output", str(out), "--no-progress",
+                      "--bootstrap-servers", fleet.bootstrap, "--jobs-topic", fleet.topics.jobs,
+                      "--results-topic", fleet.topics.results, "--state", str(tmp_path / "state.sqlite"),
+                      "--timeout", "180", "--schema-registry", fleet.registry])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert "acc,none" in json.loads(out.read_text())["results"]["tokenmill_mc"]
+    sent = re.search(r"(\d+) job\(s\) sent", err)
+    assert sent and int(sent[1]) > 0, err
+    # Its jobs went out framed with the Job's JSON Schema (eval ids: eval-<hex>-<kind>-<index>).
+    records = asyncio.run(read_topic(fleet.bootstrap, fleet.topics.jobs, lambda recs: False, timeout=1.5))
+    mine = [r for r in records if r.value[:1] == b"\x00" and b'"job_id":"eval-' in r.value]
+    assert len(mine) >= int(sent[1])
+    assert all(Job.model_validate(fleet.json_of(fleet.topics.jobs, r.value)).model == fleet.model for r in mine)
