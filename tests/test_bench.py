@@ -1,6 +1,7 @@
 """`tokenmill bench`: a tiny run of each workload writes a JSON report with the agreed fields."""
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -57,6 +58,9 @@ def test_a_bench_process_reports_its_start_and_its_first_result(tmp_path, tiny_l
     report = json.loads(out.read_text())
     assert 0 < report["startup_s"] and 0 < report["first_result_s"]
     assert report["startup_s"] + report["first_result_s"] < wall
+    # The CPU it took: the interpreter and torch's import at least, and within what the cores give.
+    assert 0.1 < report["startup_cpu_s"] < (os.cpu_count() or 1) * report["startup_s"] + 0.5
+    assert f"{report['startup_cpu_s']:.2f} s  (the process's CPU time" in done.stdout
     assert f"{report['startup_s']:.2f} s" in done.stdout and f"{report['first_result_s']:.2f} s" in done.stdout
 
 

@@ -6,6 +6,9 @@ workload's report and table.
   the interpreter, the imports, the command line, the model's weights, the tokenizer and the KV
   cache, what a `tokenmill worker` or `run-batch` pays before its first step. Set-up that only the
   bench does before that engine (the kafka workload's throw-away broker) is left out.
+- startup_cpu_s: the CPU seconds the process spent in that time (user and system, every thread):
+  what the start itself cost, where startup_s on a shared machine also counts the time other
+  processes held the cores.
 - first_result_s: from that moment to the first request that engine finishes: its warm-up's first
   request (a 40-token prompt, 4 tokens out), alone, as a first job would be: the first step's
   lazily made kernels, plans and memory.
@@ -18,6 +21,7 @@ its process's first engine again. On a system without /proc, startup_s is left o
 from __future__ import annotations
 
 import os
+import resource
 import time
 import weakref
 from collections.abc import Iterator, Sequence
@@ -29,6 +33,12 @@ _CLOCK = getattr(time, "CLOCK_BOOTTIME", None)  # the clock /proc/self/stat's st
 
 def _since_boot() -> float | None:
     return time.clock_gettime(_CLOCK) if _CLOCK is not None else None
+
+
+def process_cpu_s() -> float:
+    """CPU seconds this process has spent so far (user and system, all its threads)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def process_started_at() -> float | None:
@@ -47,8 +57,10 @@ class _StartupClock:
     def __init__(self) -> None:
         self.ready_at: float | None = None  # perf_counter seconds
         self.startup_s: float | None = None
+        self.startup_cpu_s: float | None = None
         self.first_result_s: float | None = None
         self.excluded_s = 0.0  # bench-only set-up before the first engine
+        self.excluded_cpu_s = 0.0
         self._engine: weakref.ref | None = None
 
     def engine_ready(self, engine: Any) -> None:
@@ -59,6 +71,7 @@ class _StartupClock:
         started, now = process_started_at(), _since_boot()
         if started is not None and now is not None:
             self.startup_s = max(0.0, now - started - self.excluded_s)
+            self.startup_cpu_s = process_cpu_s() - self.excluded_cpu_s
 
     def is_first(self, engine: Any) -> bool:
         return self._engine is not None and self._engine() is engine and self.first_result_s is None
@@ -91,25 +104,29 @@ def warm_up(engine: Any, requests: Sequence[Any]) -> dict[str, Any]:
 @contextmanager
 def excluded() -> Iterator[None]:
     """Bench-only set-up (a throw-away broker): its time is not part of startup_s."""
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), process_cpu_s()
     try:
         yield
     finally:
         if _clock.ready_at is None:
             _clock.excluded_s += time.perf_counter() - t0
+            _clock.excluded_cpu_s += process_cpu_s() - cpu0
 
 
 def startup_fields() -> dict[str, float]:
-    """startup_s and first_result_s of the process's first engine, those that are known."""
-    fields = {"startup_s": _clock.startup_s, "first_result_s": _clock.first_result_s}
+    """startup_s, startup_cpu_s and first_result_s of the process's first engine, those that are known."""
+    fields = {"startup_s": _clock.startup_s, "startup_cpu_s": _clock.startup_cpu_s,
+              "first_result_s": _clock.first_result_s}
     return {k: round(v, 3) for k, v in fields.items() if v is not None}
 
 
 def startup_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
-    """The table's rows for the report's startup_s and first_result_s."""
+    """The table's rows for the report's startup_s (with startup_cpu_s) and first_result_s."""
     rows = []
     if "startup_s" in report:
         rows.append(("startup", f"{report['startup_s']:.2f} s  (process start -> engine ready)"))
+    if "startup_cpu_s" in report:
+        rows.append(("startup CPU", f"{report['startup_cpu_s']:.2f} s  (the process's CPU time in it, all threads)"))
     if "first_result_s" in report:
         rows.append(("first result", f"{report['first_result_s']:.2f} s  (engine ready -> first request done)"))
     return rows
