@@ -154,18 +154,24 @@ def test_what_it_does_not_cover_is_answered_by_transformers(pair):
         assert ours.apply_chat_template(CHATS[0])["input_ids"] == hf.apply_chat_template(CHATS[0])["input_ids"]
 
 
+@pytest.fixture(scope="session")
+def tiny_llama():
+    """tiny-llama from the usual cache (before a test points TOKENMILL_CACHE elsewhere)."""
+    return cached_tiny_model("tiny-llama")
+
+
 @pytest.fixture
-def own_cache(tmp_path, monkeypatch):
+def own_cache(tmp_path, monkeypatch, tiny_llama):
     monkeypatch.setenv("TOKENMILL_CACHE", str(tmp_path / "cache"))
     return tmp_path
 
 
-def copy_of(model: str, where):
-    return shutil.copytree(cached_tiny_model(model), where / model)
+def copy_of(folder, where):
+    return shutil.copytree(folder, where / folder.name)
 
 
-def test_a_tokenizer_that_truncates_stays_transformers(own_cache):
-    folder = copy_of("tiny-llama", own_cache)
+def test_a_tokenizer_that_truncates_stays_transformers(own_cache, tiny_llama):
+    folder = copy_of(tiny_llama, own_cache)
     spec = json.loads((folder / "tokenizer.json").read_text())
     spec["truncation"] = {"direction": "Right", "max_length": 8, "strategy": "LongestFirst", "stride": 0}
     (folder / "tokenizer.json").write_text(json.dumps(spec))
@@ -174,8 +180,8 @@ def test_a_tokenizer_that_truncates_stays_transformers(own_cache):
     assert light_tokenizer.load_recorded(folder, lambda: None) is False  # recorded as "use transformers"
 
 
-def test_a_changed_file_makes_a_new_record(own_cache):
-    folder = copy_of("tiny-llama", own_cache)
+def test_a_changed_file_makes_a_new_record(own_cache, tiny_llama):
+    folder = copy_of(tiny_llama, own_cache)
     text = "<|im_start|>user hello<|im_end|>"
     before = load_tokenizer(folder)
     assert isinstance(before, LightTokenizer)
@@ -187,8 +193,8 @@ def test_a_changed_file_makes_a_new_record(own_cache):
     assert after(text)["input_ids"] == before(text)["input_ids"]
 
 
-def test_a_damaged_record_is_made_again(own_cache):
-    folder = copy_of("tiny-llama", own_cache)
+def test_a_damaged_record_is_made_again(own_cache, tiny_llama):
+    folder = copy_of(tiny_llama, own_cache)
     assert isinstance(load_tokenizer(folder), LightTokenizer)
     entry = disk_cache.entry_path(light_tokenizer.RECORD_KIND, folder, light_tokenizer.RECORD_SUFFIX)
     header = entry.read_bytes().split(b"\n", 1)[0]
@@ -198,8 +204,8 @@ def test_a_damaged_record_is_made_again(own_cache):
     assert isinstance(light_tokenizer.load_recorded(folder, lambda: None), LightTokenizer)
 
 
-def test_an_engine_on_a_recorded_checkpoint_never_imports_transformers(own_cache):
-    folder = cached_tiny_model("tiny-llama")
+def test_an_engine_on_a_recorded_checkpoint_never_imports_transformers(own_cache, tiny_llama):
+    folder = tiny_llama
     load_tokenizer(folder)  # the record
     code = f"""
 import sys

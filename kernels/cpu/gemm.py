@@ -99,13 +99,20 @@ class PackedWeight:
 
     __slots__ = ("weight", "kind", "_key", "_packed")
 
-    def __init__(self, weight: torch.Tensor, kind: str = "onednn"):
+    def __init__(self, weight: torch.Tensor, kind: str = "onednn", packed: torch.Tensor | None = None):
+        """packed: the oneDNN copy of `weight` as it is now, made before (e.g. read back from a file by
+        onednn_bytes.from_bytes); without it the copy is made on first use."""
         if kind not in ("onednn", "amx"):
             raise ValueError(f"unknown packed GEMM kind {kind!r}")
         self.weight = weight
         self.kind = kind
         self._key: tuple[int, int] | None = None
         self._packed: torch.Tensor | amx_gemm.SplitWeight | None = None
+        if packed is not None:
+            if kind != "onednn" or tuple(packed.shape) != tuple(weight.shape):
+                raise ValueError(f"a {kind} weight of shape {tuple(weight.shape)} cannot take a packed "
+                                 f"oneDNN weight of shape {tuple(packed.shape)}")
+            self._packed, self._key = packed, (weight.data_ptr(), weight._version)
 
     def packed(self) -> torch.Tensor | amx_gemm.SplitWeight | None:
         key = (self.weight.data_ptr(), self.weight._version)

@@ -41,6 +41,9 @@ def jinja2_is_recent_enough() -> bool:
 def compile_template(source: str):
     """The template compiled in transformers' sandboxed environment (cached by its text)."""
     import jinja2
+
+    if not jinja2_is_recent_enough():  # as transformers refuses it
+        raise ImportError(f"chat templates need jinja2>=3.1.6, found {jinja2.__version__}")
     import jinja2.ext
     import jinja2.nodes
     import jinja2.utils

@@ -1,11 +1,13 @@
 """Files the engine derives from a checkpoint once and reads on later starts (the tokenizer's record,
 the weights in the model's own layout), under $TOKENMILL_CACHE (default ~/.cache/tokenmill).
 
-Each entry is one file per checkpoint folder, named by a digest of the folder's absolute path, that
-starts with the key it was made under (the folder's files, the libraries' versions, the CPU): a
-reader that finds another key ignores the file, and the next writer replaces it. A file is written
-beside its place and renamed into it, so a reader never sees half of one, and concurrent writers
-(several workers starting at once) all end with a whole file.
+An entry is a file named by a digest of the checkpoint folder's absolute path (and, where several
+may be valid at once, of its key), that starts with a JSON line holding the key it was made under
+(the folder's files, the libraries' versions, the CPU): a reader that finds another key ignores the
+file, and the next writer replaces it. A file is written beside its place and renamed into it, so a
+reader never sees half of one, and concurrent writers (several workers starting at once) all end
+with a whole file. Entries of folders that no longer exist are removed when another is written, and
+of the rest the most recently used are kept.
 """
 
 from __future__ import annotations
@@ -64,15 +66,19 @@ def read_key(f: IO[bytes]) -> dict[str, Any] | None:
     return header if isinstance(header, dict) else None
 
 
-def write_entry(target: Path, header: dict[str, Any], body: Iterable[bytes]) -> None:
-    """`target` := one JSON header line, then `body`'s chunks; written beside it and renamed into place.
+def header_line(header: dict[str, Any]) -> bytes:
+    """An entry's first line: its key and record as JSON."""
+    return json.dumps(header, separators=(",", ":")).encode() + b"\n"
+
+
+def write_entry(target: Path, chunks: Iterable[bytes | memoryview]) -> None:
+    """`target` := the chunks (a header_line first), written beside it and renamed into place.
     Raises OSError where the cache cannot be written (the caller carries on without it)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(json.dumps(header, separators=(",", ":")).encode() + b"\n")
-            for chunk in body:
+            for chunk in chunks:
                 f.write(chunk)
         os.replace(tmp, target)
     except BaseException:
@@ -88,18 +94,41 @@ def touch(path: Path) -> None:
         pass
 
 
-def prune(kind: str, keep_latest: int) -> None:
-    """Remove all but the `keep_latest` most recently used entries of a kind (entries of folders that
-    no longer exist, test copies, old versions), and what a writer killed mid-way left an hour ago."""
+def prune(kind: str, keep_latest: int, max_bytes: int | None = None) -> None:
+    """Remove a kind's entries whose checkpoint folder is gone (test copies, moved models), then all
+    but the `keep_latest` most recently used (and, with max_bytes, the older ones past that many
+    bytes; the newest is always kept), and what a writer killed mid-way left an hour ago."""
     folder = cache_root() / kind
     try:
-        paths = [(p, p.stat().st_mtime) for p in folder.iterdir()]
+        paths = [(p, p.stat()) for p in folder.iterdir()]
     except OSError:
         return
-    entries = sorted(((p, t) for p, t in paths if not p.name.startswith(".")), key=lambda e: e[1], reverse=True)
-    stale = [p for p, t in paths if p.name.startswith(".") and t < time.time() - 3600]
-    for path in [p for p, _ in entries[keep_latest:]] + stale:
+    doomed = [p for p, st in paths if p.name.startswith(".") and st.st_mtime < time.time() - 3600]
+    entries = []
+    for path, st in sorted(((p, st) for p, st in paths if not p.name.startswith(".")),
+                           key=lambda e: e[1].st_mtime, reverse=True):
+        if not _source_exists(path):
+            doomed.append(path)
+        else:
+            entries.append((path, st.st_size))
+    total = 0
+    for i, (path, size) in enumerate(entries):
+        total += size
+        if i >= keep_latest or (i > 0 and max_bytes is not None and total > max_bytes):
+            doomed.append(path)
+    for path in doomed:
         try:
             path.unlink(missing_ok=True)
         except OSError:
             pass
+
+
+def _source_exists(path: Path) -> bool:
+    """Whether the checkpoint folder an entry was made from still exists (True where unreadable)."""
+    try:
+        with open(path, "rb") as f:
+            header = read_key(f)
+    except OSError:
+        return True
+    source = (header or {}).get("key", {}).get("folder")
+    return not isinstance(source, str) or os.path.isdir(source)

@@ -11,12 +11,13 @@ tokenizer is loaded with transformers as before, and where it is a fast tokenize
 encodes, decodes and renders chat templates as transformers' generic `TokenizersBackend` does (no
 override of those methods, no truncation, padding, clean-up of spaces or splitting of special
 tokens), its Rust tokenizer is serialised into a record under $TOKENMILL_CACHE/tokenizers with what
-the engine reads of the rest (named special tokens and their ids, the chat template). The record is
-written only after probes agree: texts with special tokens, unicode and whitespace encoded with and
-without special tokens, decoded with and without skipping them, and the chat template rendered and
-encoded with and without a generation prompt and a system message. Later starts read the record
-(keyed by the folder's tokenizer files and the transformers, tokenizers and jinja2 versions) and
-build the same Rust tokenizer in 0.1-0.2 s.
+the engine reads of the rest (named special tokens and their ids, the chat template), but only
+after probes agree: texts with special tokens, unicode and whitespace encoded with and without
+special tokens, decoded with and without skipping them, and the chat template rendered and encoded
+with and without a generation prompt and a system message. Otherwise the record says to keep
+transformers' tokenizer, which later starts then load as before. Later starts read the record
+(keyed by the folder's tokenizer files and the transformers and tokenizers versions) and build the
+same Rust tokenizer in 0.1-0.2 s.
 
 LightTokenizer answers what the engine asks of a tokenizer (encode a prompt, render and encode a
 chat, decode, the vocabulary's size, the Rust backend for incremental detokenisation, special token
@@ -170,8 +171,8 @@ def rust_tokenizer_json(tokenizer: Any) -> str:
 
 # -- the record ----------------------------------------------------------------------------------
 def record_key(model_dir: Path) -> dict[str, Any]:
-    """What a record is valid for: the folder's files other than weights, and the libraries' versions."""
-    import jinja2
+    """What a record is valid for: the folder's files other than weights, and the versions of the
+    libraries that made it (jinja2 renders the same for both, whichever version it is)."""
     import tokenizers
 
     return {
@@ -180,7 +181,6 @@ def record_key(model_dir: Path) -> dict[str, Any]:
         "files": disk_cache.folder_identity(model_dir, lambda p: not p.name.endswith(disk_cache.WEIGHT_SUFFIXES)),
         "transformers": _installed_version("transformers"),
         "tokenizers": tokenizers.__version__,
-        "jinja2": jinja2.__version__,
     }
 
 
@@ -233,7 +233,7 @@ def record(model_dir: Path, name_or_path: str, hf: Any, load_transformers: Calla
                      named=light._named, model_input_names=light._model_input_names)
     try:
         disk_cache.write_entry(disk_cache.entry_path(RECORD_KIND, model_dir, RECORD_SUFFIX),
-                               {"key": key, "record": entry}, body)
+                               [disk_cache.header_line({"key": key, "record": entry}), *body])
         disk_cache.prune(RECORD_KIND, KEEP_RECORDS)
     except OSError as exc:
         log.info("cannot write the tokenizer record of %s (%s): the next start loads transformers again",

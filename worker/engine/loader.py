@@ -7,15 +7,18 @@ one CheckpointError that names it; tensors are checked by name and shape before 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
 import torch
 
+from tokenmill.engine import prepared_weights
 from tokenmill.engine.attention import AttentionBackend
 from tokenmill.engine.checkpoint_files import weight_files
 from tokenmill.engine.model_config import CheckpointError, ModelConfig, load_model_config
 from tokenmill.engine.models import MODEL_CLASSES
+from tokenmill.kernels.cpu import gemm
 from tokenmill.kernels.cpu.paths import CpuPaths
 
 log = logging.getLogger(__name__)
@@ -77,11 +80,43 @@ def load_model(
             f"{model_dir} holds tensor(s) a {cfg.architecture} model does not use: {', '.join(sorted(unexpected)[:5])}"
         )
 
-    from safetensors import safe_open
+    # On the CPU the model's own tensors (fused, packed) come from the file the first start kept
+    # (prepared_weights.py), used in place; otherwise the checkpoint is copied in and packed.
+    key = _prepared_key(model_dir, files, model) if device.type == "cpu" else None
+    prepared = prepared_weights.load(model_dir, key) if key is not None else None
+    if prepared is not None and not _adopt(model, prepared.parameters):
+        log.warning("the prepared weights of %s do not fit the model: loading the checkpoint", model_dir)
+        prepared = None
+    if prepared is None:
+        from safetensors import safe_open
 
-    for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            model.load_weights((n, f.get_tensor(n)) for n in f.keys() if n in wanted and where[n] == file)
+        for file in files:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                model.load_weights((n, f.get_tensor(n)) for n in f.keys() if n in wanted and where[n] == file)
     model.eval()
-    model.pack_for_cpu()  # float32 on the CPU: the CPU paths' weights packed now (kernels/cpu/)
+    # float32 on the CPU: the CPU paths' weights packed now (kernels/cpu/), or taken as prepared
+    model.pack_for_cpu(prepared.packed if prepared is not None else None)
+    if key is not None and prepared is None:
+        prepared_weights.save(model_dir, key, dict(model.named_parameters()), model.onednn_packed())
     return model, cfg
+
+
+def _prepared_key(model_dir: Path, files: list[Path], model: torch.nn.Module) -> dict:
+    """The prepared-weights key of this model of this checkpoint: the choices that change what the model
+    holds or packs (its architecture and flags, dtype, CPU paths, oneDNN's packing hint) with the files."""
+    cfg = model.config
+    layout = {"architecture": cfg.architecture, "tie_word_embeddings": cfg.tie_word_embeddings,
+              "cpu_paths": dataclasses.asdict(model.cpu_paths), "pack_rows_hint": gemm.PACK_ROWS_HINT}
+    return prepared_weights.entry_key(model_dir, files, cfg.dtype, layout)
+
+
+def _adopt(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> bool:
+    """Point every parameter of the model at its prepared tensor (views into the prepared file), where
+    the names, shapes and dtypes all match; False (nothing changed) where they do not."""
+    params = dict(model.named_parameters())
+    if set(params) != set(tensors) or any(
+            tensors[n].shape != p.shape or tensors[n].dtype != p.dtype for n, p in params.items()):
+        return False
+    for name, param in params.items():
+        param.data = tensors[name]
+    return True

@@ -11,7 +11,7 @@ time (two matmuls per layer fewer); the residual add is folded into the next nor
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -56,12 +56,21 @@ class DecoderLayer(nn.Module):
 
     _PROJECTIONS = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
 
-    def pack_projections(self, kind: str = "onednn") -> None:
+    def pack_projections(self, kind: str = "onednn", packed: Mapping[str, torch.Tensor] | None = None) -> None:
         """Run the four projections on oneDNN or the AMX kernel ("onednn" / "amx", kernels/cpu/gemm.py)
-        from now on, each weight packed now, not in a step."""
-        self._packed = {name: gemm.PackedWeight(getattr(self, name), kind) for name in self._PROJECTIONS}
+        from now on, each weight packed now, not in a step (`packed`: oneDNN copies made before, by
+        projection name, taken as they are)."""
+        packed = packed or {}
+        self._packed = {name: gemm.PackedWeight(getattr(self, name), kind, packed.get(name))
+                        for name in self._PROJECTIONS}
         for weight in self._packed.values():
             weight.packed()
+
+    def onednn_packed(self) -> dict[str, torch.Tensor]:
+        """The projections' oneDNN copies by name (what pack_projections takes back), if on oneDNN."""
+        if self._packed is None:
+            return {}
+        return {name: w.packed() for name, w in self._packed.items() if w.kind == "onednn" and w.packed() is not None}
 
     def _linear(self, x: torch.Tensor, name: str, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self._packed is None:
@@ -182,33 +191,36 @@ class DecoderForCausalLM(nn.Module):
             return hidden
         return self.ops.add_rms_norm(hidden, residual, self.norm, self.config.rms_norm_eps)[0]
 
-    def pack_for_cpu(self) -> None:
+    def pack_for_cpu(self, packed: Mapping[str, torch.Tensor] | None = None) -> None:
         """On a float32 CPU model, take the CPU paths of self.cpu_paths now, not in the first step: the
         LM head packed for oneDNN (kernels/cpu/gemm.py) and its greedy screen built
         (kernels/cpu/greedy_screen.py); the layers' projections on the AMX kernel, or oneDNN, or MKL
         (CpuPaths.layer_gemm); with every projection on the AMX kernel, a pure decode step's layers in
-        one C call (kernels/cpu/decode_layers.py)."""
+        one C call (kernels/cpu/decode_layers.py). `packed`: oneDNN copies of the weights as they are
+        now, made before (engine/prepared_weights.py), by the names onednn_packed() gives; the others
+        are packed now."""
         if self.lm_head.device.type != "cpu" or self.lm_head.dtype != torch.float32:
             return
-        self._lm_head_packed()
+        packed = packed or {}
+        self._lm_head_packed(packed.get("lm_head"))
         self._greedy_screen()
         kind = self.cpu_paths.layer_gemm(self.config.hidden_size)
         if kind != "mkl":
-            for layer in self.layers:
-                layer.pack_projections(kind)
+            for i, layer in enumerate(self.layers):
+                prefix = f"layers.{i}."
+                layer.pack_projections(kind, {n[len(prefix):]: w for n, w in packed.items() if n.startswith(prefix)})
         if isinstance(self.ops, TorchOps) and self.cpu_paths.decode_layers_in_c:
             self._decode_layers = DecodeLayers.for_model(self.layers)
 
     @torch.inference_mode()
-    def greedy_ids(self, hidden: torch.Tensor, mask: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor | None:
-        """int64 [N]: the argmax of compute_logits(hidden) row by row (under `mask`, which sets a row's
-        disallowed ids of a [N, vocab] tensor to -inf in place), the same tokens, without the full
+    def greedy_ids(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """int64 [N]: the argmax of compute_logits(hidden) row by row, the same tokens, without the full
         float32 LM head (CPU float32 only); None where the screen does not apply, for the caller to
         compute the logits."""
         if hidden.device.type != "cpu" or self.lm_head.dtype != torch.float32:
             return None
         screen = self._greedy_screen()
-        return None if screen is None else screen.greedy_ids(hidden, mask)
+        return None if screen is None else screen.greedy_ids(hidden)
 
     def _greedy_screen(self) -> GreedyScreen | None:
         if not self.cpu_paths.greedy_screen:
@@ -260,11 +272,26 @@ class DecoderForCausalLM(nn.Module):
             setattr(self, attr, cached)
         return cached[1]
 
-    def _lm_head_packed(self) -> torch.Tensor | None:
-        """oneDNN's packed lm_head (None without oneDNN, or where the engine keeps it off oneDNN)."""
+    def _lm_head_packed(self, made: torch.Tensor | None = None) -> torch.Tensor | None:
+        """oneDNN's packed lm_head (None without oneDNN, or where the engine keeps it off oneDNN);
+        `made`: that copy made before, for the weight as it is now."""
         if not self.cpu_paths.onednn_linear:
             return None
+        if made is not None:
+            if tuple(made.shape) != tuple(self.lm_head.shape):
+                raise ValueError(f"a packed LM head of shape {tuple(made.shape)} for one of {tuple(self.lm_head.shape)}")
+            self._lm_head_oned = ((self.lm_head.data_ptr(), self.lm_head._version), made)
         return self._lm_head_copy("_lm_head_oned", gemm.pack)
+
+    def onednn_packed(self) -> dict[str, torch.Tensor]:
+        """Every oneDNN-packed weight the model computes with, by name (what pack_for_cpu takes back)."""
+        found = {}
+        head = self._lm_head_packed()
+        if head is not None:
+            found["lm_head"] = head
+        for i, layer in enumerate(self.layers):
+            found.update({f"layers.{i}.{name}": w for name, w in layer.onednn_packed().items()})
+        return found
 
     def _lm_head_transposed(self) -> torch.Tensor:
         """A contiguous [hidden, vocab] copy of lm_head."""
