@@ -11,7 +11,7 @@ time (two matmuls per layer fewer); the residual add is folded into the next nor
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -213,14 +213,15 @@ class DecoderForCausalLM(nn.Module):
             self._decode_layers = DecodeLayers.for_model(self.layers)
 
     @torch.inference_mode()
-    def greedy_ids(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """int64 [N]: the argmax of compute_logits(hidden) row by row, the same tokens, without the full
+    def greedy_ids(self, hidden: torch.Tensor, mask: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor | None:
+        """int64 [N]: the argmax of compute_logits(hidden) row by row (under `mask`, which sets a row's
+        disallowed ids of a [N, vocab] tensor to -inf in place), the same tokens, without the full
         float32 LM head (CPU float32 only); None where the screen does not apply, for the caller to
         compute the logits."""
         if hidden.device.type != "cpu" or self.lm_head.dtype != torch.float32:
             return None
         screen = self._greedy_screen()
-        return None if screen is None else screen.greedy_ids(hidden)
+        return None if screen is None else screen.greedy_ids(hidden, mask)
 
     def _greedy_screen(self) -> GreedyScreen | None:
         if not self.cpu_paths.greedy_screen:
