@@ -21,7 +21,8 @@ PATHS = [pytest.param(True, id="c-kernel"), pytest.param(False, id="torch")]
 
 def backend_with(use_cpu_kernel: bool) -> TorchAttentionBackend:
     """The backend with the C decode attention taken or not (the engine's cpu_attention_kernel)."""
-    return TorchAttentionBackend(replace(default_cpu_paths(), decode_attention=use_cpu_kernel))
+    # Not batch invariant: these tests take each path (a batch-invariant backend sends every row to the kernel).
+    return TorchAttentionBackend(replace(default_cpu_paths(), decode_attention=use_cpu_kernel, batch_invariant=False))
 
 
 def test_cpu_kernel_builds_here():

@@ -128,7 +128,8 @@ def test_the_setting_turns_it_off_and_a_cpu_without_amx_never_has_it(monkeypatch
 @pytest.mark.parametrize("has_amx", [True, False])
 def test_the_layers_choice(has_amx):
     onednn = "onednn" if gemm.available() else "mkl"
-    paths = replace(auto_paths(), amx_gemm=has_amx, onednn_linear=gemm.available(), onednn_layers=None)
+    paths = replace(auto_paths(), amx_gemm=has_amx, onednn_linear=gemm.available(), onednn_layers=None,
+                    batch_invariant=False)
     # With AMX every size takes it; without, small models keep MKL (transformers' own bits).
     assert paths.layer_gemm(256) == ("amx" if has_amx else "mkl")
     assert paths.layer_gemm(LAYERS_MIN_HIDDEN) == ("amx" if has_amx else onednn)
@@ -137,6 +138,9 @@ def test_the_layers_choice(has_amx):
     assert replace(paths, amx_gemm=False).layer_gemm(4096) == onednn
     assert replace(paths, amx_gemm=False).layer_gemm(256) == "mkl"
     assert CpuPaths().layer_gemm(4096) == "mkl"  # plain torch
+    # A batch-invariant engine keeps the AMX kernel (a row's bits never depend on the batch there) and
+    # otherwise takes the fixed-order kernel, whatever the size.
+    assert replace(paths, batch_invariant=True).layer_gemm(256) == ("amx" if has_amx else "invariant")
 
 
 @needs_amx

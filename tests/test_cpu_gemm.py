@@ -16,10 +16,11 @@ from tokenmill.kernels.cpu.paths import LAYERS_MIN_HIDDEN, CpuPaths, default_cpu
 
 
 def _paths(**chosen) -> CpuPaths:
-    """This machine's paths with some chosen; the AMX GEMM off (a CPU with AMX puts every model's
-    layers there, and this file tests oneDNN's and MKL's)."""
+    """This machine's paths with some chosen; the AMX GEMM and batch invariance off (a CPU with AMX puts
+    every model's layers there, a batch-invariant engine on the fixed-order kernel, and this file tests
+    oneDNN's and MKL's)."""
     return replace(default_cpu_paths(), amx_gemm=False, decode_layers_in_c=False, amx_prefill_attention=False,
-                   **chosen)
+                   batch_invariant=False, **chosen)
 
 
 def _weights(out_features=96, in_features=80, seed=0):
@@ -124,7 +125,8 @@ def test_the_layers_choice_follows_the_hidden_size_and_the_setting():
     from tokenmill.kernels.cpu.paths import resolve_cpu_paths
 
     def layers(hidden, **settings):
-        return resolve_cpu_paths(EngineConfig(model="m", amx_gemm="off", **settings)).layer_gemm(hidden)
+        return resolve_cpu_paths(EngineConfig(model="m", amx_gemm="off", batch_invariant="off",
+                                              **settings)).layer_gemm(hidden)
 
     assert layers(256) == "mkl" and layers(LAYERS_MIN_HIDDEN) == "onednn"
     assert layers(64, onednn_layers="on") == "onednn"
@@ -171,7 +173,7 @@ def test_a_wide_model_runs_its_projections_on_onednn_and_keeps_transformers_gree
     # The engine's setting both ways (the AMX GEMM off: a CPU with AMX would take that kernel instead).
     for setting, packed in (("auto", True), ("off", False)):
         engine = Engine(EngineConfig(model=str(wide_model_dir), dtype="float32", kv_cache_gb=0.05, amx_gemm="off",
-                                     onednn_layers=setting))
+                                     batch_invariant="off", onednn_layers=setting))
         assert all((layer._packed is not None) == packed for layer in engine.runner.model.layers)
         res = engine.generate([EngineRequest(request_id=f"w{i}", prompt_token_ids=p,
                                              sampling=SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))

@@ -21,6 +21,7 @@ from tokenmill.kernels.cpu import (
     elementwise,
     gemm,
     greedy_screen,
+    invariant_gemm,
     paths,
 )
 from tokenmill.kernels.cpu.paths import CpuPaths, default_cpu_paths, resolve_cpu_paths
@@ -29,6 +30,7 @@ PROBES = {  # each path's "can it run here" question
     "amx_gemm": (amx_gemm, "available"), "onednn_linear": (gemm, "available"),
     "greedy_screen": (greedy_screen, "available"), "cpu_elementwise": (elementwise, "available"),
     "cpu_attention_kernel": (decode_attention, "available"), "decode_layers_in_c": (decode_layers, "available"),
+    "batch_invariant": (invariant_gemm, "available"),
 }
 
 
@@ -50,14 +52,17 @@ def test_auto_takes_every_path_that_runs_here():
     got = default_cpu_paths()
     assert got == resolve_cpu_paths(EngineConfig(model="m"))  # the settings' defaults
     amx, attention, c_elementwise = amx_gemm.available(), decode_attention.available(), elementwise.available()
+    invariant = attention and invariant_gemm.available()
     assert got == CpuPaths(
         amx_gemm=amx, onednn_linear=gemm.available(), onednn_layers=None,
         greedy_screen=gemm.available() and greedy_screen.available(), elementwise=c_elementwise,
-        decode_attention=attention, amx_prefill_attention=amx and attention and amx_prefill_attention.available(),
+        decode_attention=attention,
+        amx_prefill_attention=amx and attention and not invariant and amx_prefill_attention.available(),
         decode_layers_in_c=amx and c_elementwise and attention and decode_layers.available(),
+        batch_invariant=invariant,
     )
     # The machines this project tests on have a C compiler and torch with oneDNN.
-    assert got.elementwise and got.decode_attention and got.onednn_linear
+    assert got.elementwise and got.decode_attention and got.onednn_linear and got.batch_invariant
 
 
 def test_off_takes_no_path_and_builds_or_probes_nothing(monkeypatch):

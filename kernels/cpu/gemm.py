@@ -40,7 +40,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
-from tokenmill.kernels.cpu import amx_gemm
+from tokenmill.kernels.cpu import amx_gemm, invariant_gemm
 
 log = logging.getLogger(__name__)
 
@@ -94,38 +94,43 @@ def pack(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 class PackedWeight:
-    """A float32 CPU weight and its copy for oneDNN or for the AMX kernel, made again when the weight
-    is written in place (a reload)."""
+    """A float32 CPU weight and its copy for oneDNN, the AMX kernel or the batch-invariant kernel
+    (invariant_gemm.py), made again when the weight is written in place (a reload)."""
 
     __slots__ = ("weight", "kind", "_key", "_packed")
 
     def __init__(self, weight: torch.Tensor, kind: str = "onednn", packed: torch.Tensor | None = None):
         """packed: the oneDNN copy of `weight` as it is now, made before (e.g. read back from a file by
         onednn_bytes.from_bytes); without it the copy is made on first use."""
-        if kind not in ("onednn", "amx"):
+        if kind not in ("onednn", "amx", "invariant"):
             raise ValueError(f"unknown packed GEMM kind {kind!r}")
         self.weight = weight
         self.kind = kind
         self._key: tuple[int, int] | None = None
-        self._packed: torch.Tensor | amx_gemm.SplitWeight | None = None
+        self._packed: torch.Tensor | amx_gemm.SplitWeight | invariant_gemm.InvariantWeight | None = None
         if packed is not None:
             if kind != "onednn" or tuple(packed.shape) != tuple(weight.shape):
                 raise ValueError(f"a {kind} weight of shape {tuple(weight.shape)} cannot take a packed "
                                  f"oneDNN weight of shape {tuple(packed.shape)}")
             self._packed, self._key = packed, (weight.data_ptr(), weight._version)
 
-    def packed(self) -> torch.Tensor | amx_gemm.SplitWeight | None:
+    def packed(self) -> torch.Tensor | amx_gemm.SplitWeight | invariant_gemm.InvariantWeight | None:
         key = (self.weight.data_ptr(), self.weight._version)
         if key != self._key:
-            build = amx_gemm.SplitWeight if self.kind == "amx" else pack
+            build = {"amx": amx_gemm.SplitWeight, "invariant": invariant_gemm.InvariantWeight}.get(self.kind, pack)
             self._packed, self._key = build(self.weight), key
         return self._packed
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         packed = self.packed()
-        if isinstance(packed, amx_gemm.SplitWeight):
+        if isinstance(packed, amx_gemm.SplitWeight | invariant_gemm.InvariantWeight):
             return packed.linear(x, bias)
         return linear(x, self.weight, bias, packed)
+
+    @property
+    def folds_silu_mul(self) -> bool:
+        """The kernel takes the MLP's SiLU x mul with the down projection (linear_silu_mul)."""
+        return self.kind in ("amx", "invariant")
 
 
 def _matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

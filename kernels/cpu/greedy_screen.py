@@ -132,11 +132,13 @@ class GreedyScreen:
         self.enabled = True
 
     @classmethod
-    def build(cls, weight: torch.Tensor, packed_f32: torch.Tensor | None) -> GreedyScreen | None:
-        """The screen of the head `weight` whose full float32 GEMM runs on `packed_f32` (gemm.pack),
+    def build(cls, weight: torch.Tensor, packed_f32: torch.Tensor | None,
+              full_head: Callable[[torch.Tensor], torch.Tensor] | None = None) -> GreedyScreen | None:
+        """The screen of the head `weight` whose full float32 GEMM runs on `packed_f32` (gemm.pack), or
+        is `full_head` (x -> logits: the batch-invariant head, invariant_gemm.py, one K block of all K),
         or None where it does not apply (see the module docstring). The caller asks only where the
         engine takes this path (paths.CpuPaths.greedy_screen)."""
-        if (packed_f32 is None or weight.device.type != "cpu" or weight.dtype != torch.float32
+        if ((packed_f32 is None and full_head is None) or weight.device.type != "cpu" or weight.dtype != torch.float32
                 or weight.dim() != 2 or not bf16_gemm_supported()):
             return None
         lib = _library.get()
@@ -146,7 +148,7 @@ class GreedyScreen:
             weight = weight.detach().contiguous()
             if not bool(torch.isfinite(weight).all()):
                 return None
-            k_block = _find_k_block(lib, weight, packed_f32)
+            k_block = _find_k_block(lib, weight, full_head or (lambda x: gemm.linear(x, weight, None, packed_f32)))
             if k_block is None:
                 log.info("greedy screen off: no K blocking reproduces this LM head's float32 logits")
                 return None
@@ -211,7 +213,7 @@ def _warm_every_row_count(weight: torch.Tensor, packed_bf16: torch.Tensor) -> No
         gemm.linear(x[:rows], weight, None, packed_bf16)
 
 
-def _find_k_block(lib: ctypes.CDLL, weight: torch.Tensor, packed_f32: torch.Tensor) -> int | None:
+def _find_k_block(lib: ctypes.CDLL, weight: torch.Tensor, full_head: Callable[[torch.Tensor], torch.Tensor]) -> int | None:
     """The K block with which the C logit is the full head's bit for bit on probe rows (at two row
     counts, since oneDNN could block differently by the batch), or None."""
     vocab, k = weight.shape
@@ -219,8 +221,8 @@ def _find_k_block(lib: ctypes.CDLL, weight: torch.Tensor, packed_f32: torch.Tens
     probe = torch.randn(_PROBE_ROWS, k, generator=gen)
     cols = torch.randint(0, vocab, (_PROBE_COLS,), generator=gen)
     rows = torch.arange(_PROBE_COLS) % _PROBE_ROWS
-    full = gemm.linear(probe, weight, None, packed_f32)
-    full_many = gemm.linear(probe.repeat(gemm.MAX_ROWS // _PROBE_ROWS, 1), weight, None, packed_f32)
+    full = full_head(probe)
+    full_many = full_head(probe.repeat(gemm.MAX_ROWS // _PROBE_ROWS, 1))
     if not torch.equal(full, full_many[:_PROBE_ROWS]):
         return None
     want = full[rows, cols].contiguous()

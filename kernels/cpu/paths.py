@@ -24,6 +24,11 @@ The paths and what they need:
   the AMX tiles (amx_prefill_attention.py; it has no setting of its own).
 - decode_layers_in_c: a pure decode step's layers in one C call (decode_layers.py): the AMX GEMM,
   the C element-wise kernels and the C decode attention all taken.
+- batch_invariant: every token's arithmetic independent of the batch (docs/engine.md, "Batch
+  invariance"): the projections on the AMX kernel or else the fixed-order GEMM (invariant_gemm.py),
+  the LM head on the fixed-order GEMM, every token's attention through the C decode kernel
+  (prefill tokens too, at any length: no SDPA, no AMX prefill), SiLU x mul with the GEMM's fixed
+  exp. Needs a C compiler (the GEMM's self-check passing) and the C attention.
 """
 
 from __future__ import annotations
@@ -41,11 +46,12 @@ from tokenmill.kernels.cpu import (
     elementwise,
     gemm,
     greedy_screen,
+    invariant_gemm,
 )
 
 # The EngineConfig fields that choose a path, and their choices (a test holds the two equal).
 SETTINGS = ("amx_gemm", "onednn_linear", "onednn_layers", "greedy_screen", "cpu_elementwise",
-            "cpu_attention_kernel", "decode_layers_in_c")
+            "cpu_attention_kernel", "decode_layers_in_c", "batch_invariant")
 CHOICES = ("auto", "on", "off")
 
 # The smallest hidden size whose layer projections run on oneDNN by default. At tiny-llama's shapes
@@ -64,6 +70,7 @@ class PathSettings(Protocol):
     cpu_elementwise: str
     cpu_attention_kernel: str
     decode_layers_in_c: str
+    batch_invariant: str
 
 
 @dataclass(frozen=True)
@@ -79,6 +86,7 @@ class CpuPaths:
     decode_attention: bool = False  # decode and short prefill rows through the C kernel
     amx_prefill_attention: bool = False  # long prefill rows on the AMX tiles
     decode_layers_in_c: bool = False  # a pure decode step's layers in one C call
+    batch_invariant: bool = False  # every token's bits independent of the batch (the paths below follow)
 
     def layer_gemm(self, hidden_size: int) -> str:
         """Which GEMM a float32 CPU model's layer projections use: "amx", "onednn" or "mkl".
@@ -87,12 +95,22 @@ class CpuPaths:
         measured, and its logits are closer to float64's than MKL's, with the same bits at any batch
         size (MKL's change with the row count). tiny-llama's `mixed` set has a step whose top two
         logits are 3.8e-7 apart in float64: MKL inside a batch picked the other one, the AMX kernel
-        the right one, as transformers and vLLM do. Without it the width rule (or `onednn_layers`)
-        picks oneDNN or MKL."""
+        the right one, as transformers and vLLM do. Without it, a batch-invariant engine takes the
+        fixed-order kernel ("invariant", invariant_gemm.py); otherwise the width rule (or
+        `onednn_layers`) picks oneDNN or MKL."""
         if self.amx_gemm:
             return "amx"
+        if self.batch_invariant:
+            return "invariant"
         wanted = hidden_size >= LAYERS_MIN_HIDDEN if self.onednn_layers is None else self.onednn_layers
         return "onednn" if wanted and self.onednn_linear else "mkl"
+
+    def lm_head_gemm(self) -> str:
+        """Which GEMM a float32 CPU model's LM head uses: "invariant" (a batch-invariant engine), "onednn"
+        or "mkl" (F.linear, or its transposed copy from 4 rows)."""
+        if self.batch_invariant:
+            return "invariant"
+        return "onednn" if self.onednn_linear else "mkl"
 
 
 def _take(name: str, value: str, runs_here: bool, needs: str) -> bool:
@@ -127,6 +145,11 @@ def resolve_cpu_paths(settings: PathSettings) -> CpuPaths:
     screen = take("greedy_screen", lambda: onednn and greedy_screen.available(),
                   "oneDNN with a bfloat16 GEMM on this CPU (avx512_bf16), onednn_linear not off, "
                   "and a C compiler")
+    # The torch attention backend (the CPU default) runs the C kernel; Triton's interpreter is for tests.
+    torch_attention = getattr(settings, "attention_backend", "auto") != "triton"
+    invariant = take("batch_invariant", lambda: attention and torch_attention and invariant_gemm.available(),
+                     "a C compiler (the fixed-order GEMM, with its self-check passing), the C attention kernel "
+                     "(cpu_attention_kernel not off) and the torch attention backend")
     in_c = take("decode_layers_in_c",
                 lambda: amx and c_elementwise and attention and decode_layers.available(),
                 "amx_gemm, cpu_elementwise and cpu_attention_kernel all taken, and a C compiler")
@@ -137,8 +160,10 @@ def resolve_cpu_paths(settings: PathSettings) -> CpuPaths:
         greedy_screen=screen,
         elementwise=c_elementwise,
         decode_attention=attention,
-        amx_prefill_attention=amx and attention and amx_prefill_attention.available(),
+        # Prefill rows on the tiles would attend in another order than the same tokens decoded.
+        amx_prefill_attention=amx and attention and not invariant and amx_prefill_attention.available(),
         decode_layers_in_c=in_c,
+        batch_invariant=invariant,
     )
 
 

@@ -116,6 +116,13 @@ class EngineConfig:
         help="CPU: a pure decode step's layers in one C call, the same bits (auto: where the AMX kernel, the C "
              "element-wise passes and the C attention all run)",
     )
+    batch_invariant: str = setting(
+        "auto", choices=CPU_PATH_CHOICES,
+        help="CPU: a request's Result the same bits whatever it is batched with, chunked or cached, at any "
+             "thread count: every token through fixed-order GEMMs and the C attention (auto: on a float32 CPU "
+             "engine where a C compiler builds them; on: refuse to start where they cannot run; docs/engine.md, "
+             "Batch invariance)",
+    )
     huge_pages: str = setting(
         "auto", choices=CPU_PATH_CHOICES,
         help="CPU: tensors of 2 MiB or more on transparent huge pages, set before the model loads (auto: on Linux "

@@ -95,6 +95,9 @@ class Engine:
         self.device = resolve_device(config.device)
         self.cpu_threads: int | None = None
         self.cpu_paths = CpuPaths()  # on CUDA no CPU kernel takes a tensor
+        if self.device.type != "cpu" and config.batch_invariant == "on":
+            raise ValueError("batch_invariant=on: only the CPU engine is batch invariant so far (on a GPU the "
+                             "attention kernel is, the GEMMs are not; docs/engine.md, Batch invariance)")
         if self.device.type == "cpu":
             keep_freed_memory(config.malloc_tuning)  # steps stop re-faulting their activations' pages
             large_tensors_on_huge_pages(config.huge_pages)  # weights and activations on 2 MiB pages, before loading
@@ -112,6 +115,10 @@ class Engine:
         self.tokenizer = load_tokenizer(config.model)
         self.served_model_name = config.served_model_name or Path(str(config.model).rstrip("/")).name
         mc = self.model_config
+        # Every Result the same bits whatever it is batched with: a float32 CPU engine on those paths.
+        self.batch_invariant = self.cpu_paths.batch_invariant and str(mc.dtype) == "torch.float32"
+        if config.batch_invariant == "on" and not self.batch_invariant:
+            raise ValueError(f"batch_invariant=on: the batch-invariant paths take float32 weights, not {mc.dtype}")
         kv = size_kv_cache(config, mc, self.device, graph_mode)
         self.max_model_len = kv.max_model_len
         self.eos_token_ids = list(mc.eos_token_ids)

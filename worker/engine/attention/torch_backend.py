@@ -27,7 +27,10 @@ How one attend() call is organised (per layer; the plan behind it is built once 
   causal mask shifted by the context length.
 
 Which of these the backend takes is the engine's CpuPaths (kernels/cpu/paths.py), read once at
-construction: the C kernel and the AMX prefill where it says so, the torch paths otherwise.
+construction: the C kernel and the AMX prefill where it says so, the torch paths otherwise. A
+batch-invariant engine (CpuPaths.batch_invariant) sends every token to the C kernel, prefill tokens
+of any length too: a token then attends in one order whether it comes in a decode step, a chunk of
+its prompt, a whole prompt or a recompute after preemption (SDPA's and the tiles' orders differ).
 
 Why the workspaces: a gather of tens of MB into a freshly allocated tensor costs several times the
 copy itself on Linux (the allocator hands the pages back and every step faults them in again).
@@ -119,6 +122,8 @@ class TorchAttentionBackend:
         self.use_cpu_kernel = paths.decode_attention  # decode and short prefill rows through the C kernel
         self.use_amx_prefill = paths.amx_prefill_attention  # long prefill rows on the AMX tiles
         self.use_cpu_elementwise = paths.elementwise  # the K/V write as one C pass
+        # Every prefill row's tokens through the C kernel, at any length (else up to KERNEL_PREFILL_MAX_LEN).
+        self.all_prefill_in_kernel = paths.batch_invariant
         # The step plan and the gather workspaces, per thread: the parts of a split CPU step
         # (engine/cpu/step_parts.py) run the layers on threads of their own, each with its own metadata.
         self._local = threading.local()
@@ -252,7 +257,8 @@ class TorchAttentionBackend:
         if state.plan is not None and state.plan_key == key and state.plan_meta is meta:
             return state.plan
         state.plan = build_plan(meta, block_size, num_kv_heads, dtype, device, use_kernel=use_kernel,
-                                num_blocks=num_blocks, use_amx_prefill=use_amx_prefill)
+                                num_blocks=num_blocks, use_amx_prefill=use_amx_prefill,
+                                all_prefill_in_kernel=self.all_prefill_in_kernel)
         state.plan_key = key
         state.plan_meta = meta
         return state.plan
@@ -264,9 +270,11 @@ def _blocks_for(seq_len: int, block_size: int) -> int:
 
 def build_plan(meta: AttentionMetadata, block_size: int, num_kv_heads: int = 1,
                dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-               use_kernel: bool = False, num_blocks: int | None = None, use_amx_prefill: bool = False) -> _StepPlan:
+               use_kernel: bool = False, num_blocks: int | None = None, use_amx_prefill: bool = False,
+               all_prefill_in_kernel: bool = False) -> _StepPlan:
     """use_amx_prefill (with use_kernel): prefill rows of at least amx_prefill_attention.MIN_TOKENS new tokens
-    go to the AMX prefill kernel, at any length."""
+    go to the AMX prefill kernel, at any length. all_prefill_in_kernel (with use_kernel): every prefill
+    row's tokens go to the C kernel, not only rows of up to KERNEL_PREFILL_MAX_LEN."""
     starts = meta.query_start_loc_cpu
     seq_lens = meta.seq_lens_cpu
     if len(starts) != len(seq_lens) + 1:
@@ -316,7 +324,7 @@ def build_plan(meta: AttentionMetadata, block_size: int, num_kv_heads: int = 1,
         if use_kernel and use_amx_prefill and q_len >= amx_prefill_attention.MIN_TOKENS:
             amx_prefill += [(starts[r], r, q_len, context) for r in rows]
             continue
-        if use_kernel and seq_len <= KERNEL_PREFILL_MAX_LEN:
+        if use_kernel and (all_prefill_in_kernel or seq_len <= KERNEL_PREFILL_MAX_LEN):
             for r in rows:  # query token i sits at position context + i and sees keys 0 .. context + i
                 kernel_pieces.append((torch.arange(starts[r], starts[r] + q_len),
                                       torch.full((q_len,), r, dtype=torch.long),

@@ -21,7 +21,7 @@ from tokenmill.engine.attention import AttentionBackend, AttentionMetadata, Outp
 from tokenmill.engine.layers import RotaryEmbedding, rms_norm
 from tokenmill.engine.model_config import CheckpointError, ModelConfig
 from tokenmill.engine.models.ops import RopeInputs, TorchOps, TritonOps, make_ops
-from tokenmill.kernels.cpu import gemm
+from tokenmill.kernels.cpu import gemm, invariant_gemm
 from tokenmill.kernels.cpu.decode_layers import DecodeLayers
 from tokenmill.kernels.cpu.greedy_screen import GreedyScreen
 from tokenmill.kernels.cpu.paths import CpuPaths, default_cpu_paths
@@ -57,9 +57,9 @@ class DecoderLayer(nn.Module):
     _PROJECTIONS = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
 
     def pack_projections(self, kind: str = "onednn", packed: Mapping[str, torch.Tensor] | None = None) -> None:
-        """Run the four projections on oneDNN or the AMX kernel ("onednn" / "amx", kernels/cpu/gemm.py)
-        from now on, each weight packed now, not in a step (`packed`: oneDNN copies made before, by
-        projection name, taken as they are)."""
+        """Run the four projections on oneDNN, the AMX kernel or the batch-invariant one ("onednn" / "amx" /
+        "invariant", kernels/cpu/gemm.py) from now on, each weight packed now, not in a step (`packed`:
+        oneDNN copies made before, by projection name, taken as they are)."""
         packed = packed or {}
         self._packed = {name: gemm.PackedWeight(getattr(self, name), kind, packed.get(name))
                         for name in self._PROJECTIONS}
@@ -100,8 +100,8 @@ class DecoderLayer(nn.Module):
 
     def _mlp(self, x: torch.Tensor, ops: TorchOps | TritonOps) -> torch.Tensor:
         gate_up = self._linear(x, "gate_up_weight")
-        if self._packed is not None and self._packed["down_weight"].kind == "amx":
-            # SiLU x mul folded into the down projection's split of its rows (kernels/cpu/amx_gemm.py).
+        if self._packed is not None and self._packed["down_weight"].folds_silu_mul:
+            # SiLU x mul folded into the down projection (kernels/cpu/amx_gemm.py, invariant_gemm.py).
             return self._packed["down_weight"].packed().linear_silu_mul(gate_up)
         return self._linear(ops.silu_and_mul(gate_up), "down_weight")
 
@@ -193,9 +193,10 @@ class DecoderForCausalLM(nn.Module):
 
     def pack_for_cpu(self, packed: Mapping[str, torch.Tensor] | None = None) -> None:
         """On a float32 CPU model, take the CPU paths of self.cpu_paths now, not in the first step: the
-        LM head packed for oneDNN (kernels/cpu/gemm.py) and its greedy screen built
-        (kernels/cpu/greedy_screen.py); the layers' projections on the AMX kernel, or oneDNN, or MKL
-        (CpuPaths.layer_gemm); with every projection on the AMX kernel, a pure decode step's layers in
+        LM head packed for oneDNN (kernels/cpu/gemm.py), or for the fixed-order kernel of a batch-invariant
+        engine (kernels/cpu/invariant_gemm.py), and its greedy screen built
+        (kernels/cpu/greedy_screen.py); the layers' projections on the AMX kernel, the fixed-order one,
+        oneDNN or MKL (CpuPaths.layer_gemm); with every projection on the AMX kernel, a pure decode step's layers in
         one C call (kernels/cpu/decode_layers.py). `packed`: oneDNN copies of the weights as they are
         now, made before (engine/prepared_weights.py), by the names onednn_packed() gives; the others
         are packed now."""
@@ -203,6 +204,7 @@ class DecoderForCausalLM(nn.Module):
             return
         packed = packed or {}
         self._lm_head_packed(packed.get("lm_head"))
+        self._lm_head_invariant()
         self._greedy_screen()
         kind = self.cpu_paths.layer_gemm(self.config.hidden_size)
         if kind != "mkl":
@@ -226,6 +228,9 @@ class DecoderForCausalLM(nn.Module):
     def _greedy_screen(self) -> GreedyScreen | None:
         if not self.cpu_paths.greedy_screen:
             return None
+        invariant = self._lm_head_invariant()
+        if invariant is not None:  # its candidates scored as the fixed-order head scores them
+            return self._lm_head_copy("_lm_head_screen", lambda w: GreedyScreen.build(w, None, invariant.linear))
         packed = self._lm_head_packed()
         return self._lm_head_copy("_lm_head_screen", lambda w: GreedyScreen.build(w, packed))
 
@@ -237,6 +242,9 @@ class DecoderForCausalLM(nn.Module):
         result may still be a new tensor, so always use the return value).
         """
         if hidden.device.type == "cpu" and self.lm_head.dtype == torch.float32:
+            invariant = self._lm_head_invariant()
+            if invariant is not None:
+                return invariant.linear(hidden, out=out)
             packed = self._lm_head_packed()
             if packed is not None:
                 return gemm.linear(hidden, self.lm_head, None, packed)
@@ -276,7 +284,7 @@ class DecoderForCausalLM(nn.Module):
     def _lm_head_packed(self, made: torch.Tensor | None = None) -> torch.Tensor | None:
         """oneDNN's packed lm_head (None without oneDNN, or where the engine keeps it off oneDNN);
         `made`: that copy made before, for the weight as it is now."""
-        if not self.cpu_paths.onednn_linear:
+        if self.cpu_paths.lm_head_gemm() != "onednn":
             return None
         if made is not None:
             if tuple(made.shape) != tuple(self.lm_head.shape):
@@ -293,6 +301,12 @@ class DecoderForCausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             found.update({f"layers.{i}.{name}": w for name, w in layer.onednn_packed().items()})
         return found
+
+    def _lm_head_invariant(self) -> invariant_gemm.InvariantWeight | None:
+        """The LM head on the fixed-order kernel, where the engine is batch invariant (CpuPaths.lm_head_gemm)."""
+        if self.cpu_paths.lm_head_gemm() != "invariant":
+            return None
+        return self._lm_head_copy("_lm_head_inv", invariant_gemm.InvariantWeight)
 
     def _lm_head_transposed(self) -> torch.Tensor:
         """A contiguous [hidden, vocab] copy of lm_head."""
