@@ -21,7 +21,7 @@ STAMP=$VENV/.tokenmill-installed
 
 if [ "${1:-}" = lock ]; then
     # The same target platform as `make lock`, so both locks describe the machines we run on.
-    echo "$VLLM" | "$UV" pip compile -q pyproject.toml - --extra dev --override "$OVERRIDES" \
+    echo "$VLLM" | "$UV" pip compile -q pyproject.toml - --extra dev --extra eval --override "$OVERRIDES" \
         --python-version 3.11 --python-platform x86_64-manylinux_2_28 --no-header -o "$LOCK"
     exit 0
 fi
