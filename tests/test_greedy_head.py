@@ -229,3 +229,16 @@ def test_constrained_greedy_rows_take_the_screen_under_their_mask(tiny_llama_dir
     assert GreedyIds.__name__ in calls_on and GreedyIds.__name__ not in calls_off
     for i in range(8):
         assert check_json(results[f"s{i}"].output_text, SCHEMAS[i % len(SCHEMAS)].schema) is None
+
+
+def test_greedy_choices_take_the_screen_once_forked(tiny_llama_dir, monkeypatch):
+    """n > 1 needs logits only in the step that forks the choices; afterwards its rows are plain
+    greedy rows like any other: GreedyIds, the same outputs as without the screen."""
+    requests = [EngineRequest(request_id=f"n{i}", prompt_token_ids=[(3 * i + j) % 700 + 10 for j in range(8)],
+                              sampling=SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, n=3))
+                for i in range(4)]
+    _, calls_on, on = _generate(tiny_llama_dir, requests, monkeypatch, True)
+    _, _, off = _generate(tiny_llama_dir, requests, monkeypatch, False)
+    assert {rid: [c.token_ids for c in d.choices] for rid, d in on.items()} == {
+        rid: [c.token_ids for c in d.choices] for rid, d in off.items()}
+    assert GreedyIds.__name__ in calls_on

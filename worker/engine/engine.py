@@ -400,9 +400,10 @@ class Engine:
         runner = self.runner
         # Constrained rows get their masks filled on other threads while the forward runs.
         token_mask = None if overlapped else self.constraints.start_step(out)
-        # Without a fork to feed, plain greedy rows need their argmax only (GreedyIds); constrained
-        # ones too, their mask applied to the greedy screen.
-        argmax_ok = not self.groups
+        # Without a fork to feed (choices of an n > 1 request waiting for their parent's first
+        # sample), plain greedy rows need their argmax only (GreedyIds); constrained ones too, their
+        # mask applied to the greedy screen.
+        argmax_ok = not any(group.unforked for group in self.groups.values())
         logits, step_in = runner.execute(out, self.overlap.pending if overlapped else None, argmax_ok, token_mask)
         if step_in is None:
             return None
