@@ -17,6 +17,10 @@ and `structured` (constrained vs unconstrained, tools/bench_structured.py).
           the prefix cache on in both (tools/bench_n.py).
 - score:  256 score-only requests (64 four-choice questions over a shared ~400-token context)
           against transformers computing the same loglikelihoods (tools/bench_score.py).
+- invariance: 1,000 jobs (greedy, seeded sampling, structured, scoring, n), each alone and in mixes
+          of 64 and 256 with chunked prefill, prefix-cache hits, preemption, 1 and 2 threads, async
+          scheduling on and off: the share whose Results are the same bits in every placement, and
+          what batch_invariant costs on `mixed` (tools/bench_invariance.py).
 
 Throughput is requested output tokens per second of wall time, from the moment all requests are
 handed over to the moment the last finishes (model loading and a short warm-up excluded, for both
@@ -53,7 +57,7 @@ from tokenmill.tools.bench_workloads import (  # noqa: F401 (re-exported: the be
     warm_up_workload,
 )
 
-WORKLOADS = ("mixed", "prefix", "structured", "features", "score", "n")
+WORKLOADS = ("mixed", "prefix", "structured", "features", "score", "n", "invariance")
 # The workloads another backend (--backend vllm) runs: those that measure an engine from outside (the
 # others read tokenmill's own engine's internals: its compile and mask timings, its fork of choices).
 OTHER_BACKEND_WORKLOADS = ("mixed", "prefix", "kafka")
@@ -274,8 +278,13 @@ def _workload_report(
 
         return run_score(model, model_dir, mc, num_requests=num_requests, seed=seed, engine_options=options,
                          full_sweep=full_sweep, **(workload_options or {}))
+    if workload == "invariance":
+        from tokenmill.tools.bench_invariance import run_invariance
+
+        return run_invariance(model, model_dir, mc, num_requests=num_requests, seed=seed, engine_options=options,
+                              **(workload_options or {}))
     if workload_options:
-        raise ValueError(f"workload_options are for the score workload, not {workload!r}")
+        raise ValueError(f"workload_options are for the score and invariance workloads, not {workload!r}")
     if workload == "n":
         from tokenmill.tools.bench_n import run_n
 
@@ -366,6 +375,10 @@ def _features_report(model: str, model_dir: Path, mc, num_requests: int, seed: i
 
 
 def format_table(report: dict[str, Any]) -> str:
+    if report["workload"] == "invariance":
+        from tokenmill.tools.bench_invariance import format_invariance_table
+
+        return format_invariance_table(report)
     if report["workload"] == "score":
         from tokenmill.tools.bench_score import format_score_table
 

@@ -1,4 +1,4 @@
-"""`tokenmill bench --workload {mixed,prefix,kafka,structured,features,score,n} --model {tiny-llama,smollm2,DIR} [--json PATH]`."""
+"""`tokenmill bench --workload {mixed,prefix,kafka,structured,features,score,n,invariance} --model {tiny-llama,smollm2,DIR} [--json PATH]`."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="benchmark the engine: mixed (vs transformers generate), prefix (vs no prefix cache), "
         "kafka (mixed through a broker and a worker vs the engine alone), structured (JSON-schema "
         "constrained vs unconstrained), features (each sampling feature alone vs plain greedy rows), "
-        "score (multiple-choice loglikelihoods vs transformers), n (n = 8 samples per prompt vs single jobs)",
+        "score (multiple-choice loglikelihoods vs transformers), n (n = 8 samples per prompt vs single jobs), "
+        "invariance (each job's Result alone vs in mixes of 64 and 256: the share identical, and the cost)",
         description=(
             "mixed: 256 requests, prompt 16-512 tokens, output 16-256 (ignore_eos), against transformers "
             "generate with the best static batch of 8/32/64. prefix: 128 requests sharing a 512-token "
@@ -29,13 +30,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "transformers computing the same loglikelihoods (best batch of 8/32), plus the peak memory of "
             "one --memory-tokens prompt scored against the same prompt plain. n: 32 prompts (200-300 "
             "tokens) with n = 8 samples of 32 tokens, against the same 256 samples as single seeded "
-            "jobs (prefix cache on in both; --requests sets the prompts). Every report also gives startup_s "
+            "jobs (prefix cache on in both; --requests sets the prompts). invariance: 1,000 jobs (greedy, "
+            "seeded sampling with logprobs, structured, scoring, n) each alone and in mixes of 64 and 256 with "
+            "chunked prefill, prefix-cache hits, preemption, 1 and 2 threads, async scheduling on and off: the "
+            "share of jobs whose Results are the same bits everywhere, and batch_invariant's throughput cost on "
+            "mixed (on and off alternated, --cost-rounds each). Every report also gives startup_s "
             "(from the process's start to its first engine ready) and first_result_s (from there to that "
             "engine's first finished request). Prints a table; --json writes the report."
         ),
     )
     p.add_argument("--workload", required=True,
-                   choices=["mixed", "prefix", "kafka", "structured", "features", "score", "n"])
+                   choices=["mixed", "prefix", "kafka", "structured", "features", "score", "n", "invariance"])
     p.add_argument("--bootstrap-servers", default=None,
                    help="kafka workload: an existing broker (default: start a throw-away local one)")
     p.add_argument("--model", required=True, help="tiny-llama, smollm2 or a checkpoint directory")
@@ -52,6 +57,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "many times, in lockstep, and pool their step times (default 3)")
     p.add_argument("--memory-tokens", type=int, default=None, metavar="N",
                    help="score: prompt length of the memory figure (default 4096; 0 skips it)")
+    p.add_argument("--cost-rounds", type=int, default=None, metavar="N",
+                   help="invariance: runs of mixed with batch_invariant on and off each, alternated, for the cost "
+                   "(default 2; 0 skips it)")
     p.add_argument("--full-sweep", action="store_true",
                    help="run every static batch size over the whole workload (default: calibrate on 64 requests)")
     add_engine_options(p, model_required=False, exclude=("cpu_threads",))  # --threads sets it
@@ -79,6 +87,8 @@ def problems(args: argparse.Namespace) -> list[str]:
         found += preflight.output_file(args.json, "--json")
     if args.memory_tokens is not None and args.workload != "score":
         found.append("--memory-tokens is an option of --workload score")
+    if args.cost_rounds is not None and args.workload != "invariance":
+        found.append("--cost-rounds is an option of --workload invariance")
     if args.bootstrap_servers and args.workload != "kafka":
         found.append("--bootstrap-servers is an option of --workload kafka")
     if not found and args.workload == "kafka" and args.bootstrap_servers:
@@ -114,6 +124,8 @@ def run(args: argparse.Namespace) -> int:
         workload_options = {"threads": args.threads}
         if args.memory_tokens is not None:
             workload_options["memory_tokens"] = args.memory_tokens
+    if args.workload == "invariance" and args.cost_rounds is not None:
+        workload_options = {"cost_rounds": args.cost_rounds}
     report = run_bench(
         args.workload, args.model, num_requests=args.requests, seed=args.workload_seed,
         engine_options=options, full_sweep=args.full_sweep, repeats=args.repeats,
