@@ -196,7 +196,9 @@ async def test_a_dead_engine_core_ends_the_worker_and_its_jobs_go_to_another(kaf
     finally:
         del os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"]
     try:
-        await _wait_ready(proc, port, log)
+        # vLLM is imported twice here (the worker, then its engine core's process): on a loaded 2-core
+        # machine each import alone has taken 100 s.
+        await _wait_ready(proc, port, log, timeout=600)
         await wait_for(lambda: _metrics(port)["tokenmill_engine_running"] > 0, 60, what="jobs running")
         cores = [c for c in psutil.Process(proc.pid).children(recursive=True) if "EngineCore" in " ".join(
             c.cmdline() + [c.name()])]

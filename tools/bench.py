@@ -144,9 +144,18 @@ def run_engine(
         preemptions=m.num_preemptions,
         kv_blocks_total=stats.kv_blocks_total,
     )
+    _close(engine)
     del engine, results
     gc.collect()
     return run
+
+
+def _close(engine: Any) -> None:
+    """Let go of an engine now: vLLM's adapter shuts vLLM down (the next engine of the process needs
+    its distributed state); tokenmill's own engine is simply dropped."""
+    close = getattr(engine, "close", None)
+    if close is not None:
+        close()
 
 
 # ---------------------------------------------------------------------------------------------

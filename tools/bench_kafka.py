@@ -51,7 +51,7 @@ async def _through_kafka(bootstrap: str, model_dir: Path, work, engine_options: 
     from tokenmill.engine import EngineConfig
     from tokenmill.kafka.admin import create_topic
     from tokenmill.kafka.worker import KafkaWorker
-    from tokenmill.tools.bench import _engine_requests, warm_up_workload
+    from tokenmill.tools.bench import _close, _engine_requests, warm_up_workload
 
     tag = os.urandom(4).hex()
     topics = {name: f"bench-{name}-{tag}" for name in ("jobs", "results", "tokens", "dlq")}
@@ -117,6 +117,7 @@ async def _through_kafka(bootstrap: str, model_dir: Path, work, engine_options: 
     wall, cpu = t_last - t_first, c_last - c_first
     thread = worker.engine_thread
     steps, step_s = thread.steps, thread.step_seconds
+    _close(engine)
     del engine, worker
     gc.collect()
     return {"wall_s": wall, "output_tokens": work.output_tokens, "output_tok_s": work.output_tokens / wall,

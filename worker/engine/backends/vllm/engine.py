@@ -25,9 +25,11 @@ statistics through a stat logger of ours; prompt and cached-prompt token totals 
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import time
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -136,7 +138,12 @@ def build_engine_args(kwargs: dict[str, Any]):
 
 
 class VllmEngine:
+    """See the module's docstring. One per process at a time: vLLM keeps its distributed state (the
+    model-parallel groups) in module globals, which an engine's shutdown tears down; so a new engine
+    first closes the one before it, if that is still open (run one after the other, as bench does)."""
+
     backend = "vllm"
+    _live: weakref.ref | None = None  # the engine of this process that vLLM's globals belong to
 
     def __init__(self, config: EngineConfig, *, step_timeout_s: float = STEP_TIMEOUT_S,
                  exit_grace_s: float | None = EXIT_GRACE_S) -> None:
@@ -192,8 +199,14 @@ class VllmEngine:
             vllm_config = build_engine_args(kwargs).create_engine_config(UsageContext.ENGINE_CONTEXT)
         except (ValueError, TypeError) as exc:  # pydantic's ValidationError is a ValueError
             raise ValueError(f"vLLM refused the engine arguments: {exc}") from exc
+        previous = VllmEngine._live() if VllmEngine._live is not None else None
+        if previous is not None and previous is not self:
+            log.warning("closing the previous vLLM engine of this process first (vLLM runs one at a time)")
+            previous.close()
         self.step_stats = StepStats()
         llm = LLMEngine.from_vllm_config(vllm_config, stat_loggers=[self.step_stats.logger_factory()])
+        VllmEngine._live = weakref.ref(self)
+        atexit.register(_close_live_engine)  # once: atexit keeps one entry per function
         _first_step(llm)
         return llm, vllm_config
 
@@ -390,19 +403,37 @@ class VllmEngine:
         return results
 
     def __del__(self) -> None:
-        watchdog = getattr(self, "watchdog", None)
-        if watchdog is not None:
-            watchdog.close()  # its thread ends once idle
+        # vLLM's own finalizer would shut the engine down on whichever thread collects it; its CPU
+        # worker must be shut down on the thread it was made on, or the process aborts at exit.
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - nothing to report to at collection time
+            pass
 
     def close(self) -> None:
-        """Let go of vLLM's engine (its weights and KV cache) and the step thread."""
-        self.watchdog.close()
-        llm, self.llm = self.llm, None
-        if llm is not None:
+        """Shut vLLM's engine down now (its weights, its KV cache, vLLM's distributed state), on the
+        thread that made it, and end that thread; the engine takes nothing after. Idempotent."""
+        llm, self.llm = getattr(self, "llm", None), None
+        watchdog = getattr(self, "watchdog", None)
+        if llm is not None and watchdog is not None:
             try:
-                llm.engine_core.shutdown()
-            except Exception:  # noqa: BLE001 - a core that died has nothing left to shut
-                log.debug("vLLM shutdown failed", exc_info=True)
+                if watchdog.on_its_thread:
+                    llm.engine_core.shutdown()
+                else:
+                    watchdog.run(llm.engine_core.shutdown, limit_s=60.0)
+            except Exception:  # noqa: BLE001 - a core that died has nothing left to shut down
+                log.warning("vLLM's shutdown failed", exc_info=True)
+        if watchdog is not None:
+            watchdog.close()
+
+
+def _close_live_engine() -> None:
+    """At exit, shut the process's vLLM engine down while the interpreter still runs: left to the
+    interpreter's teardown, vLLM's distributed state (torch.distributed's gloo threads) dies with
+    "terminate called without an active exception" and the process exits 134, whatever it did."""
+    engine = VllmEngine._live() if VllmEngine._live is not None else None
+    if engine is not None:
+        engine.close()
 
 
 def _first_step(llm: Any) -> None:

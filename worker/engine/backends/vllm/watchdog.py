@@ -97,6 +97,10 @@ class StepWatchdog:
         log.error("the process did not exit within %.0f s of giving the engine up: exiting now", grace_s)
         os._exit(EXIT_CODE_HUNG)
 
+    @property
+    def on_its_thread(self) -> bool:
+        return threading.current_thread() is self._thread
+
     def close(self) -> None:
         """Let the thread end once it is idle."""
         self._calls.put(None)
