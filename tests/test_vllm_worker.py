@@ -179,7 +179,7 @@ async def test_a_revoked_partition_has_its_jobs_aborted_inside_vllm(kafka_bootst
 
 async def test_a_dead_engine_core_ends_the_worker_and_its_jobs_go_to_another(kafka_bootstrap, tmp_path):
     """vLLM's engine core in a child process (VLLM_ENABLE_V1_MULTIPROCESSING=1), killed while jobs run: the
-    worker exits with code 1 within seconds, publishes no Result for the jobs it had, and leaves their
+    worker exits with code 1 within a minute, publishes no Result for the jobs it had, and leaves their
     offsets uncommitted; a worker started after answers every job."""
     import psutil
 
@@ -211,7 +211,7 @@ async def test_a_dead_engine_core_ends_the_worker_and_its_jobs_go_to_another(kaf
     finally:
         stop_process(proc, signal.SIGKILL)
     assert code == 1, _log_tail(log)
-    assert seconds < 30
+    assert seconds < 60  # 5-20 s here: the watchdog sees the death within a second, the rest is the drain and exit
     assert "engine failed" in log.read_text(errors="replace")
     published = results_by_job(await read_topic(kafka_bootstrap, topics.results, lambda r: False, timeout=2))
     assert all(r["status"] == "ok" for rs in published.values() for r in rs)  # no job answered with an error
