@@ -83,3 +83,24 @@ def test_seeded_top_p_draws_on_flat_rows_are_those_of_the_whole_sorted_row(monke
     fast = Sampler(0).sample_ids(x.clone(), inputs)
     monkeypatch.setattr(sampler, "TOP_P_CANDIDATES", 32000)  # every row sorted whole from the start
     assert torch.equal(Sampler(0).sample_ids(x.clone(), inputs), fast)
+
+
+def test_penalties_over_many_rows_are_each_rows_own():
+    """All penalised rows' positions are built at once: each row's tokens are penalised in its own
+    row as a one-row batch penalises them, and an id outside the vocabulary is still refused."""
+    vocab = 3000
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(40, vocab, generator=g) * 3
+    inputs = [SamplingInputs(SamplingParams(temperature=0.0, repetition_penalty=1.0 + 0.05 * (i % 4),
+                                            frequency_penalty=0.5 * (i % 3), presence_penalty=0.3 * (i % 2)),
+                             torch.randint(0, vocab, (5 + i,), generator=g).tolist(),
+                             # each row's best token among its outputs, so the penalties bite
+                             [*torch.randint(0, vocab, (i,), generator=g).tolist(), int(x[i].argmax())], [2])
+              for i in range(40)]
+    together = Sampler(0).sample_ids(x.clone(), inputs)
+    alone = torch.cat([Sampler(0).sample_ids(x[i : i + 1].clone(), [inputs[i]]) for i in range(40)])
+    assert torch.equal(together, alone)
+    assert not torch.equal(together, x.argmax(dim=1))  # the penalties changed some rows' tokens
+    bad = [*inputs[:3], SamplingInputs(SamplingParams(temperature=0.0, presence_penalty=1.0), [1], [vocab], [2])]
+    with pytest.raises(ValueError, match="output token ids must be in"):
+        Sampler(0).sample_ids(x[:4].clone(), bad)

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Protocol
 
 import torch
@@ -448,26 +449,25 @@ def _edits(logits: torch.Tensor, inputs: Sequence[SamplingInputs]) -> list[tuple
 
     penalised = [i for i, inp in enumerate(inputs) if has_penalties(inp.params)]
     if penalised:
-        out_pos, prompt_pos = [], []
-        for i in penalised:
-            inp = inputs[i]
-            out_pos.append(_ids_tensor(inp.output_token_ids, vocab, "output") + i * vocab)
-            if inp.params.repetition_penalty != 1.0:
-                prompt_pos.append(_prompt_ids_tensor(inp, vocab) + i * vocab)
-        out_pos_t = _upload(torch.cat(out_pos), device)
-        all_pos = torch.cat([out_pos_t] + [_upload(t, device) for t in prompt_pos])
+        # Every penalised row's (row, token) positions at once: one tensor of all their output ids
+        # and one of their prompts' (each row's built once), each shifted by its row's offset; a
+        # tensor and a check per row cost more than the penalty itself at a few hundred rows.
+        out_pos = _row_positions([inputs[i].output_token_ids for i in penalised], penalised, vocab)
+        repeating = [i for i in penalised if inputs[i].params.repetition_penalty != 1.0]
+        prompt_pos = _row_positions([_prompt_ids_tensor(inputs[i], vocab) for i in repeating], repeating, vocab)
+        out_pos_t = _upload(out_pos, device)
+        all_pos = torch.cat([out_pos_t, _upload(prompt_pos, device)])
         unique_pos, inverse = torch.unique(all_pos, return_inverse=True)
         # How often each (row, token) occurs in the row's output (0 for prompt-only tokens).
         counts = torch.zeros(unique_pos.numel(), dtype=torch.float32, device=device)
         counts.index_add_(0, inverse[: out_pos_t.numel()], torch.ones(out_pos_t.numel(), device=device))
 
         n = len(inputs)
-        rep = torch.ones(n, dtype=torch.float32)
-        freq = torch.zeros(n, dtype=torch.float32)
-        pres = torch.zeros(n, dtype=torch.float32)
+        rep_l, freq_l, pres_l = [1.0] * n, [0.0] * n, [0.0] * n
         for i in penalised:
             p = inputs[i].params
-            rep[i], freq[i], pres[i] = p.repetition_penalty, p.frequency_penalty, p.presence_penalty
+            rep_l[i], freq_l[i], pres_l[i] = p.repetition_penalty, p.frequency_penalty, p.presence_penalty
+        rep, freq, pres = (torch.tensor(v, dtype=torch.float32) for v in (rep_l, freq_l, pres_l))
         row = unique_pos // vocab
         rep, freq, pres = _upload(rep, device)[row], _upload(freq, device)[row], _upload(pres, device)[row]
 
@@ -494,6 +494,20 @@ def _edits(logits: torch.Tensor, inputs: Sequence[SamplingInputs]) -> list[tuple
         values.append(torch.full((masked.numel(),), float("-inf"), device=device))
 
     return list(zip(positions, values, strict=True))
+
+
+def _row_positions(ids: Sequence[Sequence[int] | torch.Tensor], rows: Sequence[int], vocab: int) -> torch.Tensor:
+    """The flat positions row * vocab + id of each row's ids, all rows in one tensor: token id tensors
+    (checked when they were made), or lists of output ids (checked here)."""
+    if not rows:
+        return torch.empty(0, dtype=torch.long)
+    if all(isinstance(i, torch.Tensor) for i in ids):
+        lengths = torch.tensor([i.numel() for i in ids])
+        flat = torch.cat(list(ids))
+    else:
+        lengths = torch.tensor([len(i) for i in ids])
+        flat = _ids_tensor(list(chain.from_iterable(ids)), vocab, "output")
+    return flat + torch.repeat_interleave(torch.tensor(rows) * vocab, lengths)
 
 
 def _ids_tensor(ids: Sequence[int], vocab: int, what: str) -> torch.Tensor:
