@@ -113,7 +113,7 @@ def test_bad_sizes_are_refused():
     with pytest.raises(ValueError, match="needs 3000 positions"):
         run_bench("score", model, num_requests=4,
                   workload_options={"context_len": (2990, 2990), "continuation_len": (10, 10), "memory_tokens": 0})
-    with pytest.raises(ValueError, match="workload_options are for the score workload"):
+    with pytest.raises(ValueError, match="workload_options are for the score and invariance workloads"):
         run_bench("prefix", model, num_requests=4, workload_options={"memory_tokens": 0})
 
 

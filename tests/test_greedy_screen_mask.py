@@ -34,12 +34,15 @@ def test_a_masked_screen_gives_the_full_heads_argmax_over_the_allowed_ids(kind):
     g = torch.Generator().manual_seed(11)
     weight = torch.randn(vocab, hidden_size, generator=g) * 0.02
     packed = gemm.pack(weight)
-    k_block = greedy_screen._find_k_block(greedy_screen._library.get(), weight, packed)
+    def full_head(rows: torch.Tensor) -> torch.Tensor:
+        return gemm.linear(rows, weight, None, packed)
+
+    k_block = greedy_screen._find_k_block(greedy_screen._library.get(), weight, full_head)
     assert k_block is not None
     screen = greedy_screen.GreedyScreen(weight, None, k_block, greedy_screen._library.get())
     x = torch.randn(rows, hidden_size, generator=g)
     approx = (x.to(torch.bfloat16).float() @ weight.to(torch.bfloat16).float().T).to(torch.bfloat16)
-    full = gemm.linear(x, weight, None, packed)
+    full = full_head(x)
     # Masks: one allowed id, a few dozen, or all but a few; the full head's own argmax disallowed.
     allowed = torch.zeros(rows, vocab, dtype=torch.bool)
     for r in range(rows):
