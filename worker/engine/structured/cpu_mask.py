@@ -29,7 +29,6 @@ import torch
 from tokenmill.engine.sampler import greedy_argmax
 
 _NEG_INF = float("-inf")
-_SHIFTS = torch.arange(32, dtype=torch.int32)
 # A row with more non-zero words than this, whose plain argmax is disallowed, has its words pruned by
 # their plain maxima before any is unpacked (_prune).
 HEAVY_ROW_WORDS = 64
@@ -37,7 +36,9 @@ HEAVY_ROW_WORDS = 64
 
 def _bits(words: torch.Tensor) -> torch.Tensor:
     """int32 words [M] -> their bits [M, 32] (bit j of a word in column j)."""
-    return (words.unsqueeze(1) >> _SHIFTS) & 1
+    # The shifts are made here, not at import: torch reads its huge-page setting at its first CPU
+    # allocation, which must come after the engine has set it (engine/cpu/host_memory.py).
+    return (words.unsqueeze(1) >> torch.arange(32, dtype=torch.int32)) & 1
 
 
 def _target_rows(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
