@@ -239,7 +239,7 @@ def run_placement(model_dir: Path, mc, jobs: list[Job], placement: Placement, ba
 def throughput_cost(model_dir: Path, mc, base: dict[str, Any], rounds: int, num_requests: int,
                     seed: int) -> dict[str, Any]:
     """The `mixed` workload's engine side with batch_invariant on and off in turn (see the docstring)."""
-    from tokenmill.tools.bench import run_engine
+    from tokenmill.tools.bench_engine import run_engine
     from tokenmill.tools.bench_workloads import mixed_workload
 
     work = mixed_workload(mc.vocab_size, num_requests, seed, set(mc.eos_token_ids))

@@ -51,7 +51,8 @@ async def _through_kafka(bootstrap: str, model_dir: Path, work, engine_options: 
     from tokenmill.engine import EngineConfig
     from tokenmill.kafka.admin import create_topic
     from tokenmill.kafka.worker import KafkaWorker
-    from tokenmill.tools.bench import _close, _engine_requests, warm_up_workload
+    from tokenmill.tools.bench_engine import close_engine, engine_requests
+    from tokenmill.tools.bench_workloads import warm_up_workload
 
     tag = os.urandom(4).hex()
     topics = {name: f"bench-{name}-{tag}" for name in ("jobs", "results", "tokens", "dlq")}
@@ -59,7 +60,7 @@ async def _through_kafka(bootstrap: str, model_dir: Path, work, engine_options: 
         await create_topic(bootstrap, name, 1)
 
     engine = new_engine(EngineConfig(model=str(model_dir), **engine_options))
-    warm_up(engine, _engine_requests(warm_up_workload(), "warm"))  # the same warm-up as the engine-alone run
+    warm_up(engine, engine_requests(warm_up_workload(), "warm"))  # the same warm-up as the engine-alone run
 
     producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", enable_idempotence=True, linger_ms=5,
                                 max_request_size=8 << 20)
@@ -117,7 +118,7 @@ async def _through_kafka(bootstrap: str, model_dir: Path, work, engine_options: 
     wall, cpu = t_last - t_first, c_last - c_first
     thread = worker.engine_thread
     steps, step_s = thread.steps, thread.step_seconds
-    _close(engine)
+    close_engine(engine)
     del engine, worker
     gc.collect()
     return {"wall_s": wall, "output_tokens": work.output_tokens, "output_tok_s": work.output_tokens / wall,
@@ -134,7 +135,8 @@ def run_kafka_bench(
 ) -> dict[str, Any]:
     """The `kafka` workload: returns a report dict (see the module docstring)."""
     from tokenmill.engine.model_config import load_model_config
-    from tokenmill.tools.bench import mixed_workload, resolve_model, run_engine
+    from tokenmill.tools.bench_engine import run_engine
+    from tokenmill.tools.bench_workloads import mixed_workload, resolve_model
 
     model_dir = resolve_model(model)
     options = dict(engine_options or {})

@@ -7,7 +7,8 @@ add up to the run's wall time. The parts:
 
 - scheduling       Scheduler.schedule
 - step inputs      ModelRunner.prepare (ids, positions, slots, block tables, rows to sample)
-- GEMM             the layers' projections (qkv, o, gate_up, down): F.linear, oneDNN or AMX
+- GEMM             the layers' projections (qkv, o, gate_up, down): F.linear, oneDNN, AMX or the
+                   fixed-order GEMM of batch_invariant
 - LM head          compute_logits
 - decode attention (the C kernel or the torch path), prefill attention (SDPA or the AMX kernel, and
   the C kernel's share for short prefill rows, split from one call by keys read), KV write (with the
@@ -96,7 +97,7 @@ def _instrument(stack: ExitStack, timer: PartTimer) -> None:
     from tokenmill.engine.models import ops as ops_module
     from tokenmill.engine.models.decoder import DecoderForCausalLM
     from tokenmill.engine.scheduler import Scheduler
-    from tokenmill.kernels.cpu import amx_gemm, amx_prefill_attention, decode_attention, gemm
+    from tokenmill.kernels.cpu import amx_gemm, amx_prefill_attention, decode_attention, gemm, invariant_gemm
 
     def linear_part(parents: list[str]) -> str:
         return "LM head" if "LM head" in parents else "GEMM"
@@ -127,6 +128,7 @@ def _instrument(stack: ExitStack, timer: PartTimer) -> None:
     _patch(stack, F, "linear", lambda fn: timer.wrap(linear_part, fn))
     _patch(stack, gemm, "linear", lambda fn: timer.wrap(linear_part, fn))
     _patch(stack, amx_gemm.SplitWeight, "_gemm", lambda fn: timer.wrap(linear_part, fn))
+    _patch(stack, invariant_gemm.InvariantWeight, "_gemm", lambda fn: timer.wrap(linear_part, fn))  # batch_invariant
     _patch(stack, decoder_module, "rms_norm", lambda fn: timer.wrap("element-wise", fn))  # Qwen3's q/k norm
 
 
@@ -168,7 +170,8 @@ def profile_once(model: str, threads: int, num_requests: int, seed: int = 0, kv_
     torch.set_num_threads(threads)
     from tokenmill.engine import Engine, EngineConfig
     from tokenmill.engine.model_config import load_model_config
-    from tokenmill.tools.bench import _engine_requests, mixed_workload, resolve_model, warm_up_workload
+    from tokenmill.tools.bench_engine import engine_requests
+    from tokenmill.tools.bench_workloads import mixed_workload, resolve_model, warm_up_workload
 
     model_dir = resolve_model(model)
     mc = load_model_config(model_dir)
@@ -177,7 +180,7 @@ def profile_once(model: str, threads: int, num_requests: int, seed: int = 0, kv_
     # cached (the bench's random prompts share no block, so its runs lose nothing by this).
     engine = Engine(EngineConfig(model=str(model_dir), enable_prefix_caching=False, cpu_threads=threads,
                                  kv_cache_gb=kv_cache_gb))
-    engine.generate(_engine_requests(warm_up_workload(), "warm"))
+    engine.generate(engine_requests(warm_up_workload(), "warm"))
 
     # The timers time one thread at a time: steps cut into parts (engine/cpu/step_parts.py) would run the
     # layers on two threads at once, so the timed and plain runs take whole steps, and a third run,
@@ -194,19 +197,19 @@ def profile_once(model: str, threads: int, num_requests: int, seed: int = 0, kv_
         _instrument(stack, timer)
         driver = timer.wrap("driver", engine.generate)
         t0 = time.perf_counter()
-        results = driver(_engine_requests(work, "timed"))
+        results = driver(engine_requests(work, "timed"))
         timed_s = time.perf_counter() - t0
     steps = engine.stats().steps - steps_before
     network._decode_layers = decode_layers
     # The same requests again without timers, after the timed run has warmed every buffer up.
     t0 = time.perf_counter()
-    engine.generate(_engine_requests(work, "plain"))
+    engine.generate(engine_requests(work, "plain"))
     plain_s = time.perf_counter() - t0
     parts_s = None
     if parts_pool is not None:
         engine.runner.step_parts = parts_pool
         t0 = time.perf_counter()
-        engine.generate(_engine_requests(work, "parts"))
+        engine.generate(engine_requests(work, "parts"))
         parts_s = time.perf_counter() - t0
     produced = sum(len(d.output_token_ids) for d in results.values())
     if produced != work.output_tokens:

@@ -51,7 +51,8 @@ def run_once(
 
     torch.set_num_threads(threads)
     from tokenmill.engine.model_config import load_model_config
-    from tokenmill.tools.bench import mixed_workload, resolve_model, run_engine
+    from tokenmill.tools.bench_engine import run_engine
+    from tokenmill.tools.bench_workloads import mixed_workload, resolve_model
 
     model_dir = resolve_model(model)
     mc = load_model_config(model_dir)
