@@ -96,11 +96,16 @@ async def test_a_worker_joining_a_group_slower_than_one_try_joins_answers_and_ex
         proc = start_worker_process(worker_command(kafka_bootstrap, topics, tiny_llama_dir, "--metrics-port",
                                                    str(port), "--log-level", "INFO"), log)
         # While the incumbent holds on, the worker is connected and joining: alive, not ready, saying why.
+        # The worker first builds its engine (on a fresh machine with the C kernels compiled first, on a
+        # loaded one slowly: minutes), then joins, and the incumbent takes REVOKE_S to let go.
         saw_joining = False
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 300
         while listener.revoked_after is None:
             assert proc.poll() is None, log.read_text(errors="replace")[-3000:]
-            assert time.monotonic() < deadline, "the incumbent was never asked to revoke"
+            if listener.revoking_since is None:
+                assert time.monotonic() < deadline, "the incumbent was never asked to revoke"
+            else:
+                assert time.monotonic() < listener.revoking_since + REVOKE_S + 30, "the revoke never ended"
             status, body = await asyncio.to_thread(_readyz, port)
             saw_joining |= status == 503 and body.startswith("joining the consumer group")
             await asyncio.sleep(0.5)
