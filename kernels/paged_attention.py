@@ -22,8 +22,19 @@ How the work is cut (one program = one tile of query tokens x one KV head x one 
   so BLOCK_N does not have to equal the cache block size.
 - Softmax is the online (flash) form in fp32, in base 2. With NUM_SPLITS > 1 each program covers
   only one contiguous share of the keys and writes its unnormalised partial state (acc, max, sum);
-  a second small kernel merges the splits. That lets a handful of decode rows with long contexts
-  occupy the whole GPU instead of a handful of SMs.
+  a second small kernel merges the splits, one after the other in split order. That lets a handful
+  of decode rows with long contexts occupy the whole GPU instead of a handful of SMs.
+
+Batch invariance (`batch_invariant=True`, the engine's setting of that name): a query token's
+output is the same bits whatever else the launch holds, whether it comes in a decode step, a chunk
+or a whole prompt. By default the split count follows the GPU's size and the batch, and each split
+covers a share of the tile's keys, so a token's keys are cut where the batch says; the tile height
+follows the step's longest query. Batch-invariant launches instead cut every token's keys at fixed
+multiples of INVARIANT_SPLIT_KEYS (a token with fewer keys is not cut at all) and always use tiles
+of INVARIANT_BLOCK_M rows, so a token's keys go through the same tiles of BLOCK_N in the same order
+into the same splits. What else differs between two launches only adds exact zeros: keys past a
+token's own position are masked (weight 0, its running max and sum unchanged), splits past its
+keys are empty, and the merge adds the splits' states in split order, empty ones adding 0.
 """
 
 from __future__ import annotations
@@ -85,6 +96,7 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    SPLIT_KEYS: tl.constexpr,  # > 0: split s covers keys [s * SPLIT_KEYS, (s + 1) * SPLIT_KEYS) of every tile
     DOT_PRECISION: tl.constexpr,
 ):
     pid_q = tl.program_id(0)
@@ -118,7 +130,10 @@ def _paged_attention_kernel(
 
     # Keys this tile can see: the context plus the new tokens up to its last query row.
     kv_len = ctx_len + tl.minimum(q_len, (q_block + 1) * BLOCK_Q)
-    if NUM_SPLITS > 1:
+    if SPLIT_KEYS > 0:  # fixed cuts, the same for a token whatever its tile or launch (batch invariant)
+        kv_start = split * SPLIT_KEYS
+        kv_end = tl.minimum(kv_len, kv_start + SPLIT_KEYS)
+    elif NUM_SPLITS > 1:
         chunk = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
         kv_start = split * chunk
         kv_end = tl.minimum(kv_len, kv_start + chunk)
@@ -196,20 +211,23 @@ def _merge_splits_kernel(
     NUM_SPLITS: tl.constexpr,
     NUM_SPLITS_P: tl.constexpr,
 ):
-    """Combine the partial softmax states of one (token, head) into its output row."""
+    """Combine the partial softmax states of one (token, head) into its output row, adding the splits
+    one after the other in split order (a tree sum's pairing would change with the split count; in
+    order, the empty splits past a token's keys add exact zeros)."""
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs_s = tl.arange(0, NUM_SPLITS_P)
     offs_d = tl.arange(0, HEAD_DIM_P)
-    s_mask = offs_s < NUM_SPLITS
-    row = (token * num_heads + head) * NUM_SPLITS + offs_s
-    m = tl.load(part_ml_ptr + row * 2, mask=s_mask, other=float("-inf"))
-    l_part = tl.load(part_ml_ptr + row * 2 + 1, mask=s_mask, other=0.0)
+    base = (token * num_heads + head) * NUM_SPLITS
+    m = tl.load(part_ml_ptr + (base + offs_s) * 2, mask=offs_s < NUM_SPLITS, other=float("-inf"))
     m_max = tl.max(m, axis=0)  # finite: every query sees at least its own key
-    w = tl.exp2(m - m_max)  # splits that saw no key have m = -inf -> weight 0
-    denom = tl.sum(l_part * w, axis=0)
-    acc = tl.load(part_acc_ptr + row[:, None] * HEAD_DIM_P + offs_d[None, :], mask=s_mask[:, None], other=0.0)
-    out = tl.sum(acc * w[:, None], axis=0) / denom
+    denom = tl.zeros([1], dtype=tl.float32)
+    out = tl.zeros([HEAD_DIM_P], dtype=tl.float32)
+    for s in range(NUM_SPLITS):
+        w = tl.exp2(tl.load(part_ml_ptr + (base + s) * 2) - m_max)  # a split that saw no key: m = -inf, weight 0
+        denom = denom + tl.load(part_ml_ptr + (base + s) * 2 + 1) * w
+        out = out + tl.load(part_acc_ptr + (base + s) * HEAD_DIM_P + offs_d) * w
+    out = out / denom
     tl.store(
         out_ptr + token * stride_ot + head * stride_oh + offs_d,
         out.to(out_ptr.dtype.element_ty),
@@ -219,6 +237,11 @@ def _merge_splits_kernel(
 
 MAX_SPLITS = 16
 _MIN_KEYS_PER_SPLIT = 256
+# Batch-invariant launches: keys cut at multiples of this (a multiple of every BLOCK_N), tiles of
+# INVARIANT_BLOCK_M query rows x heads whatever the step holds (prefill tiles' height; decode rows
+# waste rows of it but read each K/V tile once, as before).
+INVARIANT_SPLIT_KEYS = 512
+INVARIANT_BLOCK_M = 64
 
 
 def choose_num_splits(num_programs: int, max_seq_len: int, device: torch.device) -> int:
@@ -284,12 +307,16 @@ def paged_attention(
     block_m: int | None = None,
     block_n: int | None = None,
     out: torch.Tensor | None = None,
+    batch_invariant: bool = False,
+    split_keys: int | None = None,
 ) -> torch.Tensor:
     """Attention of packed query tokens over their paged K/V cache; returns [tokens, heads, head_dim].
 
     max_query_len / max_seq_len are host-side hints (pass them to avoid a device sync); num_splits
     forces the KV split count (None = choose from the GPU's size); block_m / block_n override the
-    tile sizes (query rows x heads, keys), mainly for tests.
+    tile sizes (query rows x heads, keys), mainly for tests. batch_invariant: every token's output
+    the same bits in any launch (module docstring): keys cut at multiples of `split_keys` (default
+    INVARIANT_SPLIT_KEYS, a multiple of the key tile), tiles of INVARIANT_BLOCK_M (or `block_m`) rows.
     """
     _check_inputs(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc)
     num_tokens, num_heads, head_dim = query.shape
@@ -304,6 +331,8 @@ def paged_attention(
     head_dim_p = max(16, triton.next_power_of_2(head_dim))
     if max_query_len is None:
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+    if block_m is None and batch_invariant:
+        block_m = INVARIANT_BLOCK_M  # one tile height for every step: a token's tiles never change shape
     if block_m is None:
         # Decode-only steps want few wasted rows; prefill tiles want big M for tensor-core work.
         block_m = 16 if max_query_len <= 16 // min(group_p, 16) else 64
@@ -317,6 +346,15 @@ def paged_attention(
             f"max_seq_len {max_seq_len} needs more blocks than block_tables has columns "
             f"({block_tables.shape[1]} x block_size {block_size})"
         )
+    split_keys = (split_keys or INVARIANT_SPLIT_KEYS) if batch_invariant else 0
+    if batch_invariant:
+        if num_splits is not None:
+            raise ValueError("a batch-invariant launch cuts keys at fixed multiples: num_splits cannot be forced")
+        if split_keys % block_n:
+            raise ValueError(f"split_keys {split_keys} must be a multiple of the key tile {block_n}")
+        if max_seq_len is None:
+            max_seq_len = int(seq_lens.max())
+        num_splits = max(1, triton.cdiv(max_seq_len, split_keys))
     if num_splits is None:
         if max_seq_len is None:
             max_seq_len = int(seq_lens.max())
@@ -345,7 +383,7 @@ def paged_attention(
         block_tables.stride(0),
         HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, GROUP=group, GROUP_P=group_p,
         BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_SIZE=block_size,
-        NUM_SPLITS=num_splits, DOT_PRECISION=dot_precision,
+        NUM_SPLITS=num_splits, SPLIT_KEYS=split_keys if num_splits > 1 else 0, DOT_PRECISION=dot_precision,
         num_warps=num_warps, num_stages=2,
     )
     if num_splits > 1:

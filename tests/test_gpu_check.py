@@ -45,6 +45,8 @@ def test_dry_run_writes_a_complete_report_without_kafka_pydantic_or_boto3(tmp_pa
         assert fid[key]["equal"] == fid[key]["of"] == 3, (key, fid[key])
     assert fid["cuda_graphs"] == "eager" and fid["async_scheduling"] is True and fid["graph_steps"] > 0
     assert all(r["fraction_of_copy"] > 0 for r in sections["attention"]["runs"])
+    inv = sections["invariance"]  # compared, not required under the interpreter (its dot is numpy's BLAS)
+    assert inv["invariant_compared"] == inv["default_compared"] > 0 and inv["required"] is False
     assert [r["batch"] for r in sections["decode_step"]["runs"]] == [2, 4]
     assert all(r["step_ms"] > 0 and r["roofline_ms"] > 0 and r["graph_step_ms"] > 0
                for r in sections["decode_step"]["runs"])

@@ -145,11 +145,13 @@ def resolve_cpu_paths(settings: PathSettings) -> CpuPaths:
     screen = take("greedy_screen", lambda: onednn and greedy_screen.available(),
                   "oneDNN with a bfloat16 GEMM on this CPU (avx512_bf16), onednn_linear not off, "
                   "and a C compiler")
-    # The torch attention backend (the CPU default) runs the C kernel; Triton's interpreter is for tests.
-    torch_attention = getattr(settings, "attention_backend", "auto") != "triton"
-    invariant = take("batch_invariant", lambda: attention and torch_attention and invariant_gemm.available(),
-                     "a C compiler (the fixed-order GEMM, with its self-check passing), the C attention kernel "
-                     "(cpu_attention_kernel not off) and the torch attention backend")
+    # Attention in a fixed order: the torch backend (the CPU default) through the C kernel, or the Triton
+    # backend (on a CPU, under the interpreter: tests), whose batch-invariant launches cut keys at fixed
+    # multiples (kernels/paged_attention.py).
+    triton_attention = getattr(settings, "attention_backend", "auto") == "triton"
+    invariant = take("batch_invariant", lambda: (attention or triton_attention) and invariant_gemm.available(),
+                     "a C compiler (the fixed-order GEMM, with its self-check passing) and the C attention "
+                     "kernel (cpu_attention_kernel not off) or the Triton attention backend")
     in_c = take("decode_layers_in_c",
                 lambda: amx and c_elementwise and attention and decode_layers.available(),
                 "amx_gemm, cpu_elementwise and cpu_attention_kernel all taken, and a C compiler")

@@ -21,6 +21,7 @@ from tokenmill.tools.gpu_check.copy_bandwidth import section_copy_bandwidth
 from tokenmill.tools.gpu_check.decode_step import section_decode_step
 from tokenmill.tools.gpu_check.environment import section_environment
 from tokenmill.tools.gpu_check.fidelity import section_fidelity
+from tokenmill.tools.gpu_check.invariance import section_invariance
 from tokenmill.tools.gpu_check.kernel_checks import section_kernels
 from tokenmill.tools.gpu_check.mixed import section_mixed
 from tokenmill.tools.gpu_check.report import markdown_report
@@ -36,6 +37,7 @@ SECTIONS: list[tuple[str, Callable[[Context], dict]]] = [
     ("fidelity", section_fidelity),
     ("copy_bandwidth", section_copy_bandwidth),
     ("attention", section_attention),
+    ("invariance", section_invariance),
     ("decode_step", section_decode_step),
     ("mixed", section_mixed),
     ("throughput", section_throughput),

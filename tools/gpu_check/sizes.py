@@ -38,6 +38,10 @@ class Sizes:
         ("decode b8 ctx16384 split-KV", 8, 16384, None),
     ])
     attention_heads: tuple[int, int, int] = (32, 8, 64)  # heads, kv heads, head_dim
+    # invariance: sequence lengths (the first is the target), the fixed key cut, the chunk's length
+    invariance_lengths: tuple[int, ...] = (3000, 1, 700, 64, 2048, 17, 4095)
+    invariance_split_keys: int = 512
+    invariance_chunk: int = 600
     block_size: int = 16
     model_shape: dict[str, Any] = field(default_factory=lambda: dict(LLAMA_1B))  # Hugging Face LlamaConfig fields
     model_dtype: str = "bfloat16"
@@ -75,7 +79,8 @@ def dry_sizes() -> Sizes:
     return Sizes(
         dry_run=True, kernel_dtypes=("float32",), gpu_kernel_cases=False, copy_mib=4,
         attention_runs=[("decode b2 ctx40", 2, 40, None), ("decode b2 ctx40 split", 2, 40, 2)],
-        attention_heads=(4, 2, 32), model_shape=dict(TOY_LLAMA), model_dtype="float32",
+        attention_heads=(4, 2, 32), invariance_lengths=(150, 9, 40), invariance_split_keys=64, invariance_chunk=30,
+        model_shape=dict(TOY_LLAMA), model_dtype="float32",
         decode_batches=(2, 4), decode_context=12, bench_iters=1,
         throughput_seqs=4, throughput_len_range=(4, 8),
         max_num_seqs=8, max_num_batched_tokens=256, kv_cache_gb=0.05,

@@ -39,5 +39,5 @@ def get_attention_backend(name: str, device: str | torch.device = "cpu",
             from tokenmill.engine.attention.triton_backend import TritonAttentionBackend
         except ImportError as exc:
             raise ValueError(f"the triton attention backend is not available: {exc}") from exc
-        return TritonAttentionBackend()
+        return TritonAttentionBackend(batch_invariant=cpu_paths is not None and cpu_paths.batch_invariant)
     raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKEND_NAMES)}")

@@ -16,10 +16,15 @@ from tokenmill.kernels.paged_attention import paged_attention
 class TritonAttentionBackend:
     name = "triton"
 
-    def __init__(self, num_splits: int | None = None) -> None:
+    def __init__(self, num_splits: int | None = None, batch_invariant: bool = False) -> None:
         # None lets the kernel pick the KV split count per call from the GPU size; a fixed value
         # keeps launches identical across calls (needed while capturing a CUDA graph).
+        # batch_invariant: keys cut at fixed multiples and one tile height, so a token's output never
+        # depends on the rest of the launch (kernels/paged_attention.py); no split count is forced then.
+        if batch_invariant and num_splits is not None:
+            raise ValueError("a batch-invariant backend cuts keys at fixed multiples: num_splits cannot be forced")
         self.num_splits = num_splits
+        self.batch_invariant = batch_invariant
 
     # The kernel's own signature: (key, value, key_cache, value_cache, slot_mapping).
     write_kv = staticmethod(kv_write)
@@ -37,4 +42,5 @@ class TritonAttentionBackend:
             max_query_len=meta.max_query_len,
             max_seq_len=meta.max_seq_len,
             num_splits=self.num_splits,
+            batch_invariant=self.batch_invariant,
         )
