@@ -9,6 +9,7 @@ import pytest
 
 from tests.worker_helpers import REPO
 from tokenmill.tools.chaos.fleet import parse_metrics
+from tokenmill.tools.chaos.ledger import ChaosTopics, Ledger, answer_of, make_jobs
 from tokenmill.tools.chaos.scenarios import ChaosConfig, ChaosReport, storm_sizes
 
 
@@ -55,6 +56,30 @@ def test_a_worker_that_was_not_killed_and_exits_non_zero_fails_the_run():
     assert report.ok and "-> OK" in report.format()
 
 
+def test_the_jobs_include_seeded_sampled_ones_with_logprobs():
+    jobs = make_jobs(40, 8, "run")
+    sampled = [j for j in jobs if j["sampling"]["temperature"] > 0]
+    assert sampled and all(j["sampling"]["seed"] is not None for j in sampled)
+    assert any("logprobs" in j["sampling"] for j in sampled)
+    assert any(j["stream"] for j in jobs) and len({j["job_id"] for j in jobs}) == 40
+
+
+def test_a_job_answered_twice_must_repeat_its_answer_bit_for_bit():
+    ledger = Ledger("b", ChaosTopics("j", "r", "t", "d", "g", 1))
+    ok = {"status": "ok", "token_ids": [3, 4], "text": "ab", "finish_reason": "length",
+          "logprobs": [{"token_id": 3, "logprob": -1.25}, {"token_id": 4, "logprob": -0.5}]}
+    moved = {**ok, "logprobs": [{"token_id": 3, "logprob": -1.2500000000000002}, ok["logprobs"][1]]}
+    ledger.answers = {"same": [answer_of(ok), answer_of({**ok, "worker": "w2", "attempt": "x"})],
+                      "moved": [answer_of(ok), answer_of(moved)], "once": [answer_of(ok)]}
+    assert ledger.duplicate_answers() == (2, ["moved"])
+    report = ChaosReport("kill", 10, lost=0, duplicated=2, not_ok=0, drain_s=1.0, commit_lag=0, duplicate_bound=2,
+                         duplicate_bound_departed=2, first_result_s=0.4, duplicated_jobs=2, duplicates_identical=1,
+                         duplicates_differing_ids=["moved"])
+    assert not report.ok and "DUPLICATES DIFFER" in report.format() and "1 of 2 jobs" in report.format()
+    report.duplicates_identical, report.duplicates_differing_ids = 2, []
+    assert report.ok and "-> OK" in report.format()
+
+
 def _chaos(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "tokenmill.cli", "chaos", *args], cwd=REPO, capture_output=True,
                           text=True, timeout=timeout)
@@ -80,4 +105,5 @@ def test_a_short_kill_run_through_the_command_line_loses_nothing(kafka_bootstrap
     assert all(code == 0 for name, code in report["worker_exits"].items() if name != killed)
     assert "worker exits" in proc.stdout
     assert len(report["details"]["kills"]) == 1 and report["duplicated"] <= report["duplicate_bound"]
+    assert report["duplicates_identical"] == report["duplicated_jobs"], report["duplicates_differing_ids"]
     assert "chaos kill: 400 jobs -> OK" in proc.stdout and "duplicated" in proc.stdout

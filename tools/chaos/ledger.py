@@ -4,6 +4,13 @@ A job is *lost* when it has no Result at the end, *duplicated* once for every Re
 first, and *not ok* when a Result of it has a status other than `ok`. Results are read by a
 consumer of the results topic from its beginning (no group), for the whole run, with the time
 each arrived, so recovery times can be read off afterwards.
+
+A job answered `ok` more than once (a worker killed after its Result went out and before its offset
+was committed, say) should get the same answer every time: the engine is batch invariant, so a
+redelivered job computes the same bits on another worker among other jobs. The ledger keeps what
+each `ok` Result says (token ids, text, logprobs, and prompt logprobs and choices where a job has
+them) and `duplicate_answers` compares them; the jobs include seeded sampled ones with logprobs, so
+an answer that moved with its batch would show.
 """
 
 from __future__ import annotations
@@ -43,10 +50,34 @@ class ChaosTopics:
 
 
 def make_jobs(n: int, max_tokens: int, run: str) -> list[dict]:
-    """n small greedy jobs; a tenth of them stream, so TokenEvents are in the mix."""
-    return [{"job_id": f"{run}-{i:06d}", "prompt": f"Chaos job {i}: tell me about item {i % 97}",
-             "sampling": {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True},
-             "stream": i % 10 == 0} for i in range(n)]
+    """n small jobs; a tenth of them stream, so TokenEvents are in the mix. In turn: greedy with 2
+    top logprobs, seeded top-p / top-k sampling with logprobs, seeded sampling with penalties, plain
+    greedy."""
+    samplings = (
+        {"temperature": 0.0, "logprobs": 2},
+        {"temperature": 0.8, "top_p": 0.9, "top_k": 40, "logprobs": 1},
+        {"temperature": 1.0, "repetition_penalty": 1.1, "presence_penalty": 0.2, "logprobs": 0},
+        {"temperature": 0.0},
+    )
+    jobs = []
+    for i in range(n):
+        sampling = {"max_tokens": max_tokens, "ignore_eos": True, **samplings[i % len(samplings)]}
+        if sampling["temperature"] > 0:
+            sampling["seed"] = i
+        jobs.append({"job_id": f"{run}-{i:06d}", "prompt": f"Chaos job {i}: tell me about item {i % 97}",
+                     "sampling": sampling, "stream": i % 10 == 0})
+    return jobs
+
+
+# The fields of an ok Result that come from the model: a duplicate must repeat them exactly.
+ANSWER_FIELDS = ("token_ids", "text", "finish_reason", "logprobs", "prompt_logprobs", "prompt_logprob_sum",
+                 "is_greedy", "choices")
+
+
+def answer_of(result: dict) -> str:
+    """The model's part of an ok Result, as canonical JSON (floats keep every bit: JSON writes the
+    shortest text that reads back as the same double)."""
+    return json.dumps({k: result.get(k) for k in ANSWER_FIELDS}, sort_keys=True)
 
 
 @dataclass
@@ -55,6 +86,7 @@ class Ledger:
     topics: ChaosTopics
     produced: list[str] = field(default_factory=list)
     results: dict[str, list[tuple[str, str, float]]] = field(default_factory=dict)  # job_id -> (status, worker, at)
+    answers: dict[str, list[str]] = field(default_factory=dict)  # job_id -> answer_of each ok, untruncated Result
     _arrivals: list[float] = field(default_factory=list)
 
     async def produce(self, jobs: list[dict], over_s: float = 0.0) -> None:
@@ -88,6 +120,8 @@ class Ledger:
                     for rec in records:
                         res = json.loads(rec.value)
                         self.results.setdefault(res["job_id"], []).append((res["status"], res.get("worker", ""), now))
+                        if res["status"] == "ok" and not res.get("truncated"):
+                            self.answers.setdefault(res["job_id"], []).append(answer_of(res))
                         self._arrivals.append(now)
         finally:
             await consumer.stop()
@@ -100,6 +134,12 @@ class Ledger:
 
     def duplicated(self) -> int:
         return sum(len(v) - 1 for v in self.results.values())
+
+    def duplicate_answers(self) -> tuple[int, list[str]]:
+        """(jobs answered ok more than once, those of them whose ok Results are not all the same)."""
+        repeated = [job for job, answers in self.answers.items() if len(answers) > 1]
+        differing = [job for job in repeated if len(set(self.answers[job])) > 1]
+        return len(repeated), differing
 
     def not_ok(self) -> int:
         return sum(1 for v in self.results.values() if any(status != "ok" for status, _, _ in v))

@@ -34,6 +34,11 @@ Duplicates are bounded by what was uncommitted when work changed hands: each kil
 `tokenmill_uncommitted_offsets` just before the kill, plus what workers logged as given up
 uncommitted (in a rebalance, or at the end of a drain). The report gives that bound, and the
 part of it that belongs to the workers that left.
+
+Duplicates must also be the same answer: for every job answered `ok` more than once, the report
+says whether all its Results carry the same token ids, text and logprobs (`duplicates_identical`
+of `duplicated_jobs`; the jobs include seeded sampled ones with logprobs). A job whose answers
+differ fails the run ("DUPLICATES DIFFER"), as a lost job does.
 """
 
 from __future__ import annotations
@@ -119,6 +124,13 @@ class ChaosReport:
     # Every worker of the run: "killed" (SIGKILL, by the scenario) or its exit code (None: had to be
     # killed after not stopping in time).
     worker_exits: dict[str, int | str | None] = field(default_factory=dict)
+    duplicated_jobs: int = 0  # jobs answered ok more than once
+    duplicates_identical: int = 0  # of those, the jobs whose ok Results are all the same answer
+    duplicates_differing_ids: list[str] = field(default_factory=list)  # the first few of the others
+
+    @property
+    def duplicates_all_identical(self) -> bool:
+        return self.duplicates_identical == self.duplicated_jobs
 
     @property
     def failed_exits(self) -> dict[str, int | str | None]:
@@ -127,7 +139,7 @@ class ChaosReport:
 
     @property
     def ok(self) -> bool:
-        return self.lost == 0 and not self.failed_exits and not self.unexpected_exits
+        return self.lost == 0 and not self.failed_exits and not self.unexpected_exits and self.duplicates_all_identical
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -139,6 +151,10 @@ class ChaosReport:
         rows = [("lost", str(self.lost)),
                 ("duplicated", f"{self.duplicated} (bound {self.duplicate_bound}: uncommitted when work changed "
                                f"hands; {self.duplicate_bound_departed} of it by workers that left)"),
+                ("duplicates identical", f"{self.duplicates_identical} of {self.duplicated_jobs} jobs answered more "
+                                         "than once (token ids, text, logprobs)"
+                                         + (f"; differ: {', '.join(self.duplicates_differing_ids)}"
+                                            if self.duplicates_differing_ids else "")),
                 ("not ok", str(self.not_ok)),
                 ("tokens", f"{self.tokens_computed} computed, {self.discarded_tokens} discarded (work thrown away: "
                            "aborted in the engine or answers dropped)"),
@@ -150,7 +166,8 @@ class ChaosReport:
                                                                       *self.failed_exits.items()]) or "none")]
         rows += [(k.replace("_", " "), _fmt(v)) for k, v in self.details.items()]
         width = max(len(k) for k, _ in rows)
-        verdict = "OK" if self.ok else "JOBS LOST" if self.lost else "WORKER FAILED"
+        verdict = ("OK" if self.ok else "JOBS LOST" if self.lost else "WORKER FAILED"
+                   if self.failed_exits or self.unexpected_exits else "DUPLICATES DIFFER")
         head = f"chaos {self.scenario}: {self.jobs} jobs -> {verdict}"
         return "\n".join([head, *(f"  {k:<{width}}  {v}" for k, v in rows)])
 
@@ -464,6 +481,7 @@ async def run_scenario(config: ChaosConfig, broker: Broker | None = None) -> Cha
         bound, bound_departed = duplicate_bounds(fleet, leavers)
         first = ledger.first_result_after(last_fault)
         lost = ledger.lost()
+        repeated, differing = ledger.duplicate_answers()
         return ChaosReport(
             scenario=config.scenario, jobs=len(run.jobs), lost=len(lost), duplicated=ledger.duplicated(),
             not_ok=ledger.not_ok(), drain_s=drained_at - last_fault if drained else None, commit_lag=lag,
@@ -472,7 +490,8 @@ async def run_scenario(config: ChaosConfig, broker: Broker | None = None) -> Cha
             tokens_computed=int(sum(c.output_tokens for c in spent)),
             discarded_tokens=sum(c.discarded_tokens for c in spent),
             unexpected_exits=fleet.unexpected_exits, exit_codes=exit_codes, details=details, lost_ids=lost[:10],
-            worker_exits=fleet.exits())
+            worker_exits=fleet.exits(), duplicated_jobs=repeated, duplicates_identical=repeated - len(differing),
+            duplicates_differing_ids=differing[:10])
     finally:
         for task in tasks:
             task.cancel()

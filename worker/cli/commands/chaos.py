@@ -4,10 +4,12 @@ Starts a local Kafka (or uses --bootstrap-servers), fresh topics and `tokenmill 
 processes, sends --jobs small jobs and injects the scenario's faults: `kill` (SIGKILL workers
 mid-run, with --broker-restarts the broker restarted between the kills), `broker-restart`, `outage` (the broker away for --outage-seconds) or `rebalance-storm`
 (workers joining and leaving every --step-seconds through the sizes of --schedule). Prints the
-jobs lost, duplicated and not ok, the time to drain and the bound on duplicates; --json writes
-the report, with every worker's exit (killed, or its exit code). Exit 0 when nothing was lost
-and every worker that was not killed exited 0; 1 when a job has no Result or such a worker
-failed; 2 for bad arguments.
+jobs lost, duplicated and not ok, whether every job answered twice got the same answer
+(duplicates_identical: token ids, text, logprobs; the jobs include seeded sampled ones with
+logprobs), the time to drain and the bound on duplicates; --json writes the report, with every
+worker's exit (killed, or its exit code). Exit 0 when nothing was lost, every duplicate repeats
+its answer and every worker that was not killed exited 0; 1 when a job has no Result, a job's
+answers differ or such a worker failed; 2 for bad arguments.
 """
 
 from __future__ import annotations
