@@ -16,10 +16,11 @@ on this engine and the unconstrained pass on a second engine of the same model a
 one step of each in turn. A neighbour's burst on a shared machine then lands on both sides
 within a step (passes run one after the other differed by up to 30% in step time on the same
 requests). The step-time overhead compares the mean wall time of the pure decode steps (one
-token per row, no prompt chunk) at the peak batch, pooled over the pairs. Mask fill time per step
-(bitmask fill + apply, for the constrained rows) and compile time per schema come from the
-engine's metrics (`mask_s`, `compile_s`; the compile cache serves every request after the first
-of each schema, so there are 8 compiles, one per schema, in the whole run). The first constrained
+token per row, no prompt chunk) at the peak batch, pooled over the pairs. Mask time per step
+(bitmask fill + its use: the screen's mask, the masked argmax or the apply, for the constrained
+rows) and compile time per schema come from the engine's metrics (`mask_s`, `compile_s`; the
+compile cache serves every request after the first of each schema, so there are 8 compiles, one
+per schema, in the whole run). The first constrained
 pass's outputs are judged by tools/structured_workload.check_outputs: the share of "stop" outputs
 that parse and validate (jsonschema), and the outputs holding whitespace outside strings; the
 timed constrained passes are compared token for token with the first (`repeat_outputs_equal`).
@@ -298,7 +299,7 @@ def format_structured_table(report: dict[str, Any]) -> str:
         ("  by process CPU time", f"{100 * r['step_overhead_fraction_by_cpu_time']:+.1f}%  "
                                   f"({r['step_cpu_ms_constrained']:.2f} ms vs {r['step_cpu_ms_unconstrained']:.2f} ms)"),
         ("  model part of the step", f"{r['step_model_ms_constrained']:.2f} ms vs "
-                                     f"{r['step_model_ms_unconstrained']:.2f} ms (forward, LM head, mask apply, sampling)"),
+                                     f"{r['step_model_ms_unconstrained']:.2f} ms (forward, LM head, mask, sampling)"),
         ("mask ms per step p50 / p99", f"{r['mask_ms_p50']:.2f} / {r['mask_ms_p99']:.2f}  (at peak "
                                        f"{r['mask_ms_at_peak']:.2f} ms = {100 * r['mask_share_of_step_at_peak']:.1f}% "
                                        f"of the step; {r['mask_steps']} steps)"),

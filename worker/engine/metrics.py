@@ -31,7 +31,7 @@ class EngineMetrics:
     peak_step_model_s: float = 0.0  # forward + LM head + sampling
     last_step: dict = field(default_factory=dict)  # seqs, tokens, wall_s, model_s of the last step
     # Structured output (worker/engine/structured/): one entry per compile that ran (cache hits
-    # are not compiles), one per step with constrained rows (bitmask fill + apply, host seconds,
+    # are not compiles), one per step with constrained rows (bitmask fill + its uses, host seconds,
     # with the rows it masked), and the requests failed for a constraint that did not compile.
     compile_s: list[float] = field(default_factory=list)
     mask_s: list[float] = field(default_factory=list)
