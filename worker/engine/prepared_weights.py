@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 KIND = "weights"
 FORMAT_VERSION = 1
 ALIGN = 4096
-KEEP_ENTRIES = 8
+KEEP_ENTRIES = 64
 KEEP_BYTES = 16 << 30
 MIN_FREE_BYTES = 2 << 30
 
