@@ -20,9 +20,23 @@ registry:
 demo: setup kafka-jars
 	@.venv/bin/tokenmill demo
 
+# `make test` runs the suite in phases: every test not marked serial in TEST_WORKERS pytest-xdist
+# workers (one broker for all of them; tests sharing a module's fixture stay on one worker, the longest
+# start first: tests/fixtures/scheduling.py), then the serial ones alone (they measure the machine or
+# their own speed), then the vLLM tests. TEST_WORKERS: more than the 2 cores, since many tests wait on
+# the broker or on worker processes. PYTEST_ARGS go to both phases of the main suite.
+TEST_WORKERS ?= 4
+PARALLEL := -n $(TEST_WORKERS) --dist loadgroup
 test: setup kafka-jars registry
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(PARALLEL) -m "not serial" --durations=10 $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m serial --durations=5 $(PYTEST_ARGS)
 	@$(MAKE) --no-print-directory test-vllm
+
+# The inner loop, under 2 minutes: the tests that are neither slow nor need Kafka, in parallel.
+QUICK_WORKERS ?= 2
+test-quick: setup registry
+	$(PY) -m pytest -q -n $(QUICK_WORKERS) --dist loadgroup \
+		-m "not slow and not kafka and not serial" $(PYTEST_ARGS)
 
 # The vllm backend's tests against real vLLM (marked vllm, in tests/test_vllm_*.py), in .venv-vllm: in
 # .venv they skip, vLLM is not there. Here nothing skips: vLLM that does not import fails the step.
