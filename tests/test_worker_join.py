@@ -71,13 +71,17 @@ def _events(path, event: str) -> list[dict]:
 @pytest.mark.slow
 async def test_a_worker_joining_a_group_slower_than_one_try_joins_answers_and_exits_0(
         kafka_bootstrap, tiny_llama_dir, tmp_path):
+    from tokenmill.kafka.clients import sticky_assignor
     from tokenmill.kafka.local_broker import free_port
 
     topics = await make_topics(kafka_bootstrap, "slow-join", partitions=4)
     listener = SlowToLetGo()
     incumbent = AIOKafkaConsumer(bootstrap_servers=kafka_bootstrap, group_id=topics.group, enable_auto_commit=False,
                                  session_timeout_ms=10_000, heartbeat_interval_ms=1_000,
-                                 rebalance_timeout_ms=60_000, max_poll_interval_ms=60_000)
+                                 rebalance_timeout_ms=60_000, max_poll_interval_ms=60_000,
+                                 # the worker's own assignor: a member offering no strategy in common
+                                 # with the group's is refused (INCONSISTENT_GROUP_PROTOCOL)
+                                 partition_assignment_strategy=(sticky_assignor(),))
     await incumbent.start()
     incumbent.subscribe([topics.jobs], listener=listener)
 
