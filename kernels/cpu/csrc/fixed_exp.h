@@ -1,0 +1,61 @@
+/* e^x as one fixed sequence of float32 operations, shared by the kernels whose results must not depend
+   on where a value sits (invariant_gemm.c's SiLU, row_logprobs.c's normaliser). Include after
+   <math.h>, <stdint.h>, <string.h> and, with HAVE_AVX2_FMA defined, <immintrin.h>. */
+#ifndef TOKENMILL_FIXED_EXP_H
+#define TOKENMILL_FIXED_EXP_H
+
+/* e^x: one fixed sequence of float32 operations (Cephes' expf: x clamped to
+   [-87, 88], n = x log2(e) rounded to the nearest integer, r = x - n ln(2) in two parts, a degree-5
+   polynomial, times 2^n), the same in every vector lane and in the scalar code, so an element's
+   value never depends on where it sits in a row or a call. Within ~2 ulp of expf. */
+#define EXP_LO -87.0f
+#define EXP_HI 88.0f
+#define LOG2E 1.44269504088896341f
+#define LN2_HI 0.693359375f
+#define LN2_LO -2.12194440e-4f
+#define P0 1.9875691500e-4f
+#define P1 1.3981999507e-3f
+#define P2 8.3334519073e-3f
+#define P3 4.1665795894e-2f
+#define P4 1.6666665459e-1f
+#define P5 5.0000001201e-1f
+
+static inline float exp_scalar(float x) {
+    x = x < EXP_HI ? x : EXP_HI; /* the vector min/max's rules, NaN included */
+    x = x > EXP_LO ? x : EXP_LO;
+    const float n = nearbyintf(x * LOG2E);
+    float r = fmaf(-n, LN2_HI, x);
+    r = fmaf(-n, LN2_LO, r);
+    float y = P0;
+    y = fmaf(y, r, P1);
+    y = fmaf(y, r, P2);
+    y = fmaf(y, r, P3);
+    y = fmaf(y, r, P4);
+    y = fmaf(y, r, P5);
+    y = fmaf(y, r * r, r + 1.0f);
+    const int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof(scale));
+    return y * scale;
+}
+
+#ifdef HAVE_AVX2_FMA
+static inline __m256 exp_vector(__m256 x) {
+    x = _mm256_min_ps(x, _mm256_set1_ps(EXP_HI));
+    x = _mm256_max_ps(x, _mm256_set1_ps(EXP_LO));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_HI), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_LO), r);
+    __m256 y = _mm256_set1_ps(P0);
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(P1));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(P2));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(P3));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(P4));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(P5));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
+}
+#endif
+
+#endif

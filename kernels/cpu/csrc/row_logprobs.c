@@ -1,0 +1,156 @@
+/* The sampler's logprob parts of float32 logit rows (row_logprobs.py): per row its logsumexp and its
+   top-N logits with their ids, in two passes over the row while it sits in the cache, one thread per
+   row.
+
+   A row's bits depend on that row alone: its maximum is exact in any order; its sum of
+   e^(x - max) is kept in 32 float lanes (four 8-lane accumulators; lane j takes the elements
+   j, j + 32, j + 64, ... in order, the tail past the last full 32 in a scalar chain), reduced in a
+   fixed order in double; e^x is fixed_exp.h's, the same in every lane and in the tail. Neither the
+   other rows, nor the row count, nor the thread count, nor which thread runs a row changes it.
+
+   Top-N keeps the N largest in a small array sorted largest first, a logit entering only when it is
+   larger than the N-th kept (so among equal logits the lowest id stays, as ids are read in order). */
+#ifdef __clang__
+#pragma clang fp contract(off)
+#else
+#pragma GCC optimize("fp-contract=off")
+#endif
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define HAVE_AVX2_FMA 1
+#endif
+
+#include "fixed_exp.h"
+
+#define LANES 32
+
+static float row_max(const float *x, int64_t n) {
+    int64_t i = 0;
+    float m = -INFINITY;
+#ifdef HAVE_AVX2_FMA
+    if (n >= 8) {
+        __m256 a = _mm256_loadu_ps(x), b = a;
+        for (i = 8; i + 16 <= n; i += 16) {
+            a = _mm256_max_ps(a, _mm256_loadu_ps(x + i));
+            b = _mm256_max_ps(b, _mm256_loadu_ps(x + i + 8));
+        }
+        a = _mm256_max_ps(a, b);
+        float lanes[8];
+        _mm256_storeu_ps(lanes, a);
+        for (int j = 0; j < 8; ++j) m = lanes[j] > m ? lanes[j] : m;
+    }
+#endif
+    for (; i < n; ++i) m = x[i] > m ? x[i] : m;
+    return m;
+}
+
+/* Sum of e^(x - m) over the row, the lanes as the header says. */
+static double row_exp_sum(const float *x, int64_t n, float m) {
+    float acc[LANES];
+    for (int j = 0; j < LANES; ++j) acc[j] = 0.0f;
+    const int64_t full = n - n % LANES;
+    int64_t i = 0;
+#ifdef HAVE_AVX2_FMA
+    const __m256 mv = _mm256_set1_ps(m);
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, nan = a0;
+#define RL_STEP(acc_, at_)                                                                             \
+    {                                                                                                  \
+        const __m256 v = _mm256_loadu_ps(x + (at_));                                                   \
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));                                    \
+        acc_ = _mm256_add_ps(acc_, exp_vector(_mm256_sub_ps(v, mv)));                                  \
+    }
+    for (; i < full; i += LANES) {
+        RL_STEP(a0, i)
+        RL_STEP(a1, i + 8)
+        RL_STEP(a2, i + 16)
+        RL_STEP(a3, i + 24)
+    }
+#undef RL_STEP
+    if (_mm256_movemask_ps(nan)) return NAN;
+    _mm256_storeu_ps(acc, a0);
+    _mm256_storeu_ps(acc + 8, a1);
+    _mm256_storeu_ps(acc + 16, a2);
+    _mm256_storeu_ps(acc + 24, a3);
+#else
+    for (; i < full; i += LANES)
+        for (int j = 0; j < LANES; ++j) {
+            if (isnan(x[i + j])) return NAN;
+            acc[j] += exp_scalar(x[i + j] - m);
+        }
+#endif
+    float tail = 0.0f;
+    for (i = full; i < n; ++i) {
+        if (isnan(x[i])) return NAN;
+        tail += exp_scalar(x[i] - m);
+    }
+    double total = 0.0;
+    for (int j = 0; j < LANES; ++j) total += (double)acc[j];
+    return total + (double)tail;
+}
+
+/* The top_n largest of the row, largest first, into vals/ids (top_n >= 1, n >= top_n). */
+static void row_top(const float *x, int64_t n, int64_t top_n, float *vals, int64_t *ids) {
+    int64_t kept = 0;
+    int64_t i = 0;
+    for (; i < n && kept < top_n; ++i) { /* fill: insertion, equal logits after the earlier ids */
+        int64_t p = kept++;
+        while (p > 0 && vals[p - 1] < x[i]) {
+            vals[p] = vals[p - 1];
+            ids[p] = ids[p - 1];
+            --p;
+        }
+        vals[p] = x[i];
+        ids[p] = i;
+    }
+    float floor = vals[top_n - 1];
+    for (; i < n; ++i) {
+#ifdef HAVE_AVX2_FMA
+        /* Eight at a time while none beats the floor: the common case once the array is full. */
+        if (i + 8 <= n) {
+            const __m256 v = _mm256_loadu_ps(x + i);
+            if (!_mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_set1_ps(floor), _CMP_GT_OQ))) {
+                i += 7;
+                continue;
+            }
+        }
+#endif
+        if (!(x[i] > floor)) continue;
+        int64_t p = top_n - 1;
+        while (p > 0 && vals[p - 1] < x[i]) {
+            vals[p] = vals[p - 1];
+            ids[p] = ids[p - 1];
+            --p;
+        }
+        vals[p] = x[i];
+        ids[p] = i;
+        floor = vals[top_n - 1];
+    }
+}
+
+/* For rows 0..rows-1 of x (row stride ld, vocab n): log_total[r] = max + log(sum e^(x - max)) and,
+   when top_n > 0, the top_n largest logits and their ids (row r at top_vals + r * top_n). A row whose
+   maximum is not finite or that holds a NaN gets NaN as its log_total (the caller takes torch's path
+   for it). */
+void rl_logprob_parts(const float *x, int64_t ld, int64_t rows, int64_t n, int64_t top_n, float *log_total,
+                      float *top_vals, int64_t *top_ids, int64_t threads) {
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && rows > 1)
+#endif
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *row = x + r * ld;
+        const float m = row_max(row, n);
+        if (!isfinite(m)) {
+            log_total[r] = NAN;
+        } else {
+            log_total[r] = m + (float)log(row_exp_sum(row, n, m));
+        }
+        if (top_n > 0) row_top(row, n, top_n, top_vals + r * top_n, top_ids + r * top_n);
+    }
+}

@@ -1,0 +1,83 @@
+"""The C logprob parts (kernels/cpu/row_logprobs.py): each row's logsumexp close to float64's, its
+top-N exactly torch's, a row's bits the same alone, in any batch and at any thread count, odd rows
+(NaN, no finite maximum) handed to torch, and the sampler's logprobs with the kernel equal to its
+torch path's within float32 rounding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenmill.engine.sampler import Sampler, SamplingInputs, raw_logprob_parts
+from tokenmill.engine.types import SamplingParams
+from tokenmill.kernels.cpu import row_logprobs
+
+pytestmark = pytest.mark.skipif(not row_logprobs.available(), reason="needs a C compiler")
+
+
+def _logits(rows: int, vocab: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    # Rows of different spreads: flat ones (a random model's) and peaked ones (a trained model's).
+    return torch.randn(rows, vocab, generator=g) * torch.logspace(-1, 1.3, rows).unsqueeze(1)
+
+
+@pytest.mark.parametrize("vocab", [7, 31, 32, 1000, 32003])
+def test_the_normaliser_is_float64s_and_the_top_n_is_torchs(vocab):
+    x = _logits(37, vocab)
+    top_n = min(5, vocab)
+    log_total, top_vals, top_ids = row_logprobs.logprob_parts(x, top_n)
+    want = torch.logsumexp(x.double(), dim=1)
+    assert (log_total.double() - want).abs().max().item() <= 4e-6 * want.abs().max().item() + 1e-6
+    ref_vals, ref_ids = x.topk(top_n, dim=1)
+    assert torch.equal(top_vals, ref_vals) and torch.equal(top_ids, ref_ids)
+
+
+def test_a_row_gets_the_same_bits_alone_in_a_batch_and_at_any_thread_count():
+    x = _logits(64, 32000, seed=3)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = row_logprobs.logprob_parts(x, 4)
+        torch.set_num_threads(2)
+        two = row_logprobs.logprob_parts(x, 4)
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(one, two, strict=True):
+        assert torch.equal(a, b)
+    for r in (0, 17, 63):
+        alone = row_logprobs.logprob_parts(x[r : r + 1].clone(), 4)
+        assert all(torch.equal(a[0], b[r]) for a, b in zip(alone, one, strict=True))
+    # A strided view (a batch's rows picked out) reads the same bits.
+    wide = torch.zeros(64, 32100)
+    wide[:, :32000] = x
+    strided = row_logprobs.logprob_parts(wide[:, :32000], 4)
+    assert all(torch.equal(a, b) for a, b in zip(strided, one, strict=True))
+
+
+def test_odd_rows_are_flagged_and_raw_logprob_parts_gives_them_torchs_answer():
+    x = _logits(6, 300)
+    x[1, 7] = float("nan")
+    x[2] = float("-inf")
+    x[3, 9] = float("inf")
+    x[4, :200] = float("-inf")  # masked ids: the row is still the kernel's
+    log_total, _, _ = row_logprobs.logprob_parts(x, 3)
+    assert torch.isnan(log_total[1:4]).all() and torch.isfinite(log_total[[0, 4, 5]]).all()
+    got = raw_logprob_parts(x, 3, c_kernel=True)
+    want = raw_logprob_parts(x, 3)
+    torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=0, equal_nan=True)
+    assert torch.equal(got[2][[0, 4, 5]], want[2][[0, 4, 5]])
+
+
+def test_the_sampler_with_the_kernel_gives_the_same_tokens_and_logprobs_within_rounding():
+    x = _logits(48, 5000, seed=5)
+    inputs = [SamplingInputs(params=SamplingParams(max_tokens=4, temperature=0.0 if i % 2 else 0.9, seed=i,
+                                                   logprobs=i % 6), prompt_token_ids=[1, 2], output_token_ids=[],
+                             eos_token_ids=[0])
+              for i in range(48)]
+    plain = Sampler(seed=1)(x.clone(), inputs)
+    fast = Sampler(seed=1, cpu_kernels=True)(x.clone(), inputs)
+    assert [t.token_id for t in fast] == [t.token_id for t in plain]
+    for a, b in zip(fast, plain, strict=True):
+        assert a.logprob == pytest.approx(b.logprob, abs=2e-5)
+        assert [i for i, _ in a.top_logprobs] == [i for i, _ in b.top_logprobs]
+        assert [v for _, v in a.top_logprobs] == pytest.approx([v for _, v in b.top_logprobs], abs=2e-5)
