@@ -20,7 +20,7 @@ WARNINGS = ["-Wall", "-Wextra", "-Werror"]
 def test_the_package_holds_its_c_sources():
     assert {p.name for p in SOURCES} == {"amx_gemm.c", "amx_prefill_attention.c", "decode_attention.c",
                                          "decode_layers.c", "elementwise.c", "greedy_screen.c",
-                                         "invariant_gemm.c", "row_logprobs.c"}
+                                         "invariant_gemm.c", "row_logprobs.c", "row_sample.c"}
     assert (build.CSRC / "amx_tiles.h").exists()
 
 

@@ -19,7 +19,7 @@ The paths and what they need:
 - greedy_screen: plain greedy rows through a bfloat16 screen of the LM head (greedy_screen.py):
   oneDNN's bfloat16 GEMM (avx512_bf16), the LM head on oneDNN, a C compiler.
 - cpu_elementwise: add + RMSNorm, the rotary and the K/V write as one C pass each (elementwise.py),
-  and the sampler's logprob parts (row_logprobs.py).
+  and the sampler's logprob parts and temperature / top_p draws (row_logprobs.py, row_sample.py).
 - cpu_attention_kernel: decode rows and short prefill rows through the C decode attention read in
   place from the paged cache (decode_attention.py). With amx_gemm too, long prefill rows attend on
   the AMX tiles (amx_prefill_attention.py; it has no setting of its own).

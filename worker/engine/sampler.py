@@ -217,7 +217,7 @@ class Sampler:
         return self._token_ids(logits, inputs)
 
     def _token_ids(self, logits: torch.Tensor, inputs: Sequence[SamplingInputs]) -> torch.Tensor:
-        processed = self._process(logits, inputs)
+        processed = self._process(logits, inputs, draw_in_c=self.cpu_kernels and logits.is_cpu)
         return self._sample(processed, inputs, logits.shape[0], logits.device)
 
     # -- public helper (tests, debugging) --------------------------------------------------------
@@ -261,9 +261,11 @@ class Sampler:
                 return False
         return True
 
-    def _process(self, logits: torch.Tensor, inputs: Sequence[SamplingInputs]) -> _Processed:
+    def _process(self, logits: torch.Tensor, inputs: Sequence[SamplingInputs], draw_in_c: bool = False) -> _Processed:
         """Masks, penalties and truncation; returns each greedy row's choice and the weights each
-        random row is drawn from.
+        random row is drawn from. With `draw_in_c` (CPU logits), random rows with a temperature and
+        top_p alone (no top_k, no min_p) are drawn by the C kernel (kernels/cpu/row_sample.py: the
+        same rule, without sorting the row) and come back drawn instead.
 
         min_tokens masks and penalties touch few (row, token) positions, so they are written into
         the logits in place and the original values put back afterwards: no [N, V] copy.
@@ -273,7 +275,8 @@ class Sampler:
         random = [i for i, inp in enumerate(inputs) if not is_greedy(inp.params)]
         greedy_rows = _on_device(greedy, torch.long, device)
         random_rows = _on_device(random, torch.long, device)
-        greedy_choice = random_weights = None
+        greedy_choice = random_weights = drawn_ids = None
+        drawn_rows: list[int] = []
 
         flat = logits.view(-1)
         edits = _edits(logits, inputs)
@@ -286,6 +289,11 @@ class Sampler:
             if greedy:
                 rows = logits if len(greedy) == len(inputs) else logits[greedy_rows]
                 greedy_choice = greedy_argmax(rows)
+            if random and draw_in_c:
+                drawn_rows, drawn_ids = self._draw_in_c(logits, inputs, random)
+                if drawn_rows:
+                    random = [i for i in random if i not in set(drawn_rows)]
+                    random_rows = _on_device(random, torch.long, device)
             if random:
                 params = [inputs[i].params for i in random]
                 temps = _on_device([p.temperature for p in params], torch.float32, device)
@@ -302,7 +310,30 @@ class Sampler:
         finally:
             for positions, original in reversed(saved):
                 flat[positions] = original
-        return _Processed(greedy_rows, greedy_choice, random_rows, random, random_weights)
+        return _Processed(greedy_rows, greedy_choice, random_rows, random, random_weights, drawn_rows, drawn_ids)
+
+    def _draw_in_c(self, logits: torch.Tensor, inputs: Sequence[SamplingInputs],
+                   random: list[int]) -> tuple[list[int], torch.Tensor | None]:
+        """The rows of `random` the C kernel draws (temperature and top_p only), and their tokens; a
+        row it could not take (a NaN, no finite maximum) stays with the torch path."""
+        from tokenmill.kernels.cpu import row_sample
+
+        vocab = logits.shape[1]
+        rows = [i for i in random if inputs[i].params.min_p == 0 and not 0 < inputs[i].params.top_k < vocab]
+        if not rows:
+            return [], None
+        params = [inputs[i].params for i in rows]
+        ids = row_sample.sample_rows(logits, torch.tensor(rows, dtype=torch.long),
+                                     torch.tensor([p.temperature for p in params], dtype=torch.float32),
+                                     torch.tensor([p.top_p for p in params], dtype=torch.float32),
+                                     self._uniforms([inputs[i] for i in rows]))
+        if ids is None:
+            return [], None
+        ok = (ids >= 0).tolist()
+        if not all(ok):
+            rows = [r for r, good in zip(rows, ok, strict=True) if good]
+            ids = ids[ids >= 0]
+        return rows, ids
 
     def _sample(
         self, processed: _Processed, inputs: Sequence[SamplingInputs], n: int, device
@@ -314,6 +345,8 @@ class Sampler:
         if processed.random_weights is not None:
             uniforms = self._uniforms([inputs[i] for i in processed.random_row_list])
             token_ids[processed.random_rows] = _inverse_cdf(processed.random_weights, _upload(uniforms, device))
+        if processed.drawn_rows:
+            token_ids[_on_device(processed.drawn_rows, torch.long, device)] = processed.drawn_ids.to(device)
         return token_ids
 
     def _uniforms(self, inputs: Sequence[SamplingInputs]) -> torch.Tensor:
@@ -445,6 +478,9 @@ class _Processed:
     random_row_list: list[int]  # the same rows, on the host
     # [R, V] unnormalised probabilities each random row is drawn from (in the sampler's buffer).
     random_weights: torch.Tensor | None
+    # Rows drawn in C already (kernels/cpu/row_sample.py), and their tokens.
+    drawn_rows: list[int] = field(default_factory=list)
+    drawn_ids: torch.Tensor | None = None
 
 
 def _check_ids(ids: torch.Tensor, vocab: int, what: str) -> None:
