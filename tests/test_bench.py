@@ -16,6 +16,8 @@ FIELDS = {
     "startup_s", "first_result_s",
 }
 
+pytestmark = pytest.mark.usefixtures("fresh_startup_clock")
+
 
 @pytest.mark.parametrize("workload,requests", [("mixed", 3), ("prefix", 6)])
 def test_bench_writes_report(tmp_path, tiny_llama_dir, workload, requests, capsys):

@@ -1,8 +1,12 @@
 """`bench --workload n` at a small size: the n run computes each prompt once, every choice equals
 the single job with its seed, and a second run gives the same samples."""
 
+import pytest
+
 from tokenmill.tools.bench import format_table, run_bench
 from tokenmill.tools.tiny_models import cached_tiny_model
+
+pytestmark = pytest.mark.usefixtures("fresh_startup_clock")
 
 
 def test_n_workload_report():
