@@ -23,6 +23,8 @@ from tokenmill.kernels.cpu import (
     greedy_screen,
     invariant_gemm,
     paths,
+    row_logprobs,
+    row_sample,
 )
 from tokenmill.kernels.cpu.paths import CpuPaths, default_cpu_paths, resolve_cpu_paths
 
@@ -30,7 +32,7 @@ PROBES = {  # each path's "can it run here" question
     "amx_gemm": (amx_gemm, "available"), "onednn_linear": (gemm, "available"),
     "greedy_screen": (greedy_screen, "available"), "cpu_elementwise": (elementwise, "available"),
     "cpu_attention_kernel": (decode_attention, "available"), "decode_layers_in_c": (decode_layers, "available"),
-    "batch_invariant": (invariant_gemm, "available"),
+    "batch_invariant": (invariant_gemm, "available"), "cpu_sampling": (row_sample, "available"),
 }
 
 
@@ -56,13 +58,14 @@ def test_auto_takes_every_path_that_runs_here():
     assert got == CpuPaths(
         amx_gemm=amx, onednn_linear=gemm.available(), onednn_layers=None,
         greedy_screen=gemm.available() and greedy_screen.available(), elementwise=c_elementwise,
+        sampling=row_logprobs.available() and row_sample.available(),
         decode_attention=attention,
         amx_prefill_attention=amx and attention and not invariant and amx_prefill_attention.available(),
         decode_layers_in_c=amx and c_elementwise and attention and decode_layers.available(),
         batch_invariant=invariant,
     )
     # The machines this project tests on have a C compiler and torch with oneDNN.
-    assert got.elementwise and got.decode_attention and got.onednn_linear and got.batch_invariant
+    assert got.elementwise and got.sampling and got.decode_attention and got.onednn_linear and got.batch_invariant
 
 
 def test_off_takes_no_path_and_builds_or_probes_nothing(monkeypatch):
@@ -87,11 +90,12 @@ def test_on_where_a_path_cannot_run_refuses_to_start_and_says_what_it_needs(name
 
 
 def _field(setting: str) -> str:
-    return {"cpu_elementwise": "elementwise", "cpu_attention_kernel": "decode_attention"}.get(setting, setting)
+    return {"cpu_elementwise": "elementwise", "cpu_sampling": "sampling",
+            "cpu_attention_kernel": "decode_attention"}.get(setting, setting)
 
 
 def test_a_path_set_on_that_runs_here_is_taken():
-    for name in ("onednn_linear", "cpu_elementwise", "cpu_attention_kernel"):  # what this project's machines have
+    for name in ("onednn_linear", "cpu_elementwise", "cpu_sampling", "cpu_attention_kernel"):  # what this project's machines have
         assert getattr(resolve_cpu_paths(_settings(**{name: "on"})), _field(name)), name
 
 

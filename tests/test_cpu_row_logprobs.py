@@ -81,3 +81,24 @@ def test_the_sampler_with_the_kernel_gives_the_same_tokens_and_logprobs_within_r
         assert a.logprob == pytest.approx(b.logprob, abs=2e-5)
         assert [i for i, _ in a.top_logprobs] == [i for i, _ in b.top_logprobs]
         assert [v for _, v in a.top_logprobs] == pytest.approx([v for _, v in b.top_logprobs], abs=2e-5)
+
+
+def test_an_engine_with_cpu_sampling_off_gives_the_same_tokens_and_logprobs_within_rounding(tiny_llama_dir):
+    from tokenmill.engine import Engine, EngineConfig, EngineRequest
+
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 2000, (n,), generator=gen).tolist() for n in (3, 20, 41)]
+
+    def run(setting: str):
+        engine = Engine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", kv_cache_gb=0.02,
+                                     cpu_sampling=setting))
+        assert engine.sampler.cpu_kernels is (setting == "auto")
+        res = engine.generate([EngineRequest(request_id=f"r{i}", prompt_token_ids=p, sampling=SamplingParams(
+            max_tokens=6, ignore_eos=True, logprobs=3, temperature=0.0 if i % 2 else 0.8, top_p=0.9, seed=i))
+            for i, p in enumerate(prompts)])
+        return {rid: (d.output_token_ids, [lp.logprob for lp in d.output_logprobs]) for rid, d in res.items()}
+
+    on, off = run("auto"), run("off")
+    assert {rid: ids for rid, (ids, _) in on.items()} == {rid: ids for rid, (ids, _) in off.items()}
+    for rid, (_, logprobs) in on.items():
+        assert logprobs == pytest.approx(off[rid][1], abs=2e-5)

@@ -18,8 +18,9 @@ The paths and what they need:
   "auto" from LAYERS_MIN_HIDDEN on, "on" at any width, "off" on MKL's F.linear.
 - greedy_screen: plain greedy rows through a bfloat16 screen of the LM head (greedy_screen.py):
   oneDNN's bfloat16 GEMM (avx512_bf16), the LM head on oneDNN, a C compiler.
-- cpu_elementwise: add + RMSNorm, the rotary and the K/V write as one C pass each (elementwise.py),
-  and the sampler's logprob parts and temperature / top_p draws (row_logprobs.py, row_sample.py).
+- cpu_elementwise: add + RMSNorm, the rotary and the K/V write as one C pass each (elementwise.py).
+- cpu_sampling: the sampler's logprob parts and its draws at a temperature with top_p in C
+  (row_logprobs.py, row_sample.py): a C compiler.
 - cpu_attention_kernel: decode rows and short prefill rows through the C decode attention read in
   place from the paged cache (decode_attention.py). With amx_gemm too, long prefill rows attend on
   the AMX tiles (amx_prefill_attention.py; it has no setting of its own).
@@ -48,10 +49,12 @@ from tokenmill.kernels.cpu import (
     gemm,
     greedy_screen,
     invariant_gemm,
+    row_logprobs,
+    row_sample,
 )
 
 # The EngineConfig fields that choose a path, and their choices (a test holds the two equal).
-SETTINGS = ("amx_gemm", "onednn_linear", "onednn_layers", "greedy_screen", "cpu_elementwise",
+SETTINGS = ("amx_gemm", "onednn_linear", "onednn_layers", "greedy_screen", "cpu_elementwise", "cpu_sampling",
             "cpu_attention_kernel", "decode_layers_in_c", "batch_invariant")
 CHOICES = ("auto", "on", "off")
 
@@ -69,6 +72,7 @@ class PathSettings(Protocol):
     onednn_layers: str
     greedy_screen: str
     cpu_elementwise: str
+    cpu_sampling: str
     cpu_attention_kernel: str
     decode_layers_in_c: str
     batch_invariant: str
@@ -84,6 +88,7 @@ class CpuPaths:
     onednn_layers: bool | None = None  # the layers on oneDNN without AMX: None by width, else forced
     greedy_screen: bool = False  # plain greedy rows through the bfloat16 screen
     elementwise: bool = False  # add + RMSNorm, rotary, K/V write as one C pass each
+    sampling: bool = False  # the sampler's logprobs and temperature / top_p draws in C
     decode_attention: bool = False  # decode and short prefill rows through the C kernel
     amx_prefill_attention: bool = False  # long prefill rows on the AMX tiles
     decode_layers_in_c: bool = False  # a pure decode step's layers in one C call
@@ -142,6 +147,7 @@ def resolve_cpu_paths(settings: PathSettings) -> CpuPaths:
     layers = settings.onednn_layers
     _take("onednn_layers", layers, onednn, "oneDNN (onednn_linear not off, torch built with oneDNN)")
     c_elementwise = take("cpu_elementwise", elementwise.available, "a C compiler")
+    c_sampling = take("cpu_sampling", lambda: row_logprobs.available() and row_sample.available(), "a C compiler")
     attention = take("cpu_attention_kernel", decode_attention.available, "a C compiler")
     screen = take("greedy_screen", lambda: onednn and greedy_screen.available(),
                   "oneDNN with a bfloat16 GEMM on this CPU (avx512_bf16), onednn_linear not off, "
@@ -162,6 +168,7 @@ def resolve_cpu_paths(settings: PathSettings) -> CpuPaths:
         onednn_layers=None if layers == "auto" else layers == "on",
         greedy_screen=screen,
         elementwise=c_elementwise,
+        sampling=c_sampling,
         decode_attention=attention,
         # Prefill rows on the tiles would attend in another order than the same tokens decoded.
         amx_prefill_attention=amx and attention and not invariant and amx_prefill_attention.available(),

@@ -9,7 +9,7 @@ the batch-invariant GEMM uses (csrc/fixed_exp.h, within ~2 ulp of expf), and eac
 thread's, its sum in fixed lanes: a row's result depends on that row alone.
 
 Rows whose maximum is not finite or that hold a NaN come back as NaN; the caller computes them with
-torch. The engine's `cpu_elementwise` setting turns the kernel off with the other C passes.
+torch. The engine's `cpu_sampling` setting turns it off (with the draws of row_sample.py).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ The rule is the sampler's (worker/engine/sampler.py): the same kept set (ties wi
 token kept), the same inverse-CDF draw in id order; sums are in double where the torch path sums in
 float32, so a draw on the edge of a token can differ between the two paths. Rows with top_k or
 min_p, and rows the kernel cannot take (a NaN, no finite maximum: it returns -1), take the torch
-path. The engine's `cpu_elementwise` setting turns the kernel off with the other C passes.
+path. The engine's `cpu_sampling` setting turns it off.
 """
 
 from __future__ import annotations

@@ -103,9 +103,14 @@ class EngineConfig:
     )
     cpu_elementwise: str = setting(
         "auto", choices=CPU_PATH_CHOICES,
-        help="CPU: add + RMSNorm, the rotary and the K/V write as one C pass each, torch's bits, and the sampler's "
-             "logprob normaliser and top-N and its draws at a temperature with top_p in C (auto: where a C compiler "
-             "builds them)",
+        help="CPU: add + RMSNorm, the rotary and the K/V write as one C pass each, torch's bits (auto: where a C "
+             "compiler builds them)",
+    )
+    cpu_sampling: str = setting(
+        "auto", choices=CPU_PATH_CHOICES,
+        help="CPU: the sampler's logprobs (each row's normaliser and top-N) and its draws at a temperature with "
+             "top_p in C, each row's own, the torch path's answers within float32 rounding (auto: where a C "
+             "compiler builds them)",
     )
     cpu_attention_kernel: str = setting(
         "auto", choices=CPU_PATH_CHOICES,

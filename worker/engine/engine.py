@@ -141,7 +141,7 @@ class Engine:
         )
         # Graphs are captured now: the KV cache exists and no real step has run.
         self.runner.capture_graphs(fall_back=config.cuda_graphs == "auto")
-        self.sampler = Sampler(seed=config.seed, cpu_kernels=self.cpu_paths.elementwise)
+        self.sampler = Sampler(seed=config.seed, cpu_kernels=self.cpu_paths.sampling)
         self.overlap = Overlap(resolve_async_scheduling(config.async_scheduling, self.device))
         self.requests: dict[str, Request] = {}  # by request id; for n > 1 the group's choice 0
         self.groups: dict[str, SampleGroup] = {}  # the n > 1 requests, by request id

@@ -168,7 +168,7 @@ class Sampler:
 
     def __init__(self, seed: int | None = None, cpu_kernels: bool = False) -> None:
         # cpu_kernels: the C row passes (kernels/cpu/row_logprobs.py) for logprobs on the CPU, where
-        # the engine's cpu_elementwise path is taken.
+        # the engine's cpu_sampling path is taken.
         self.cpu_kernels = cpu_kernels
         # Uniforms are drawn on the CPU (N numbers per step) so the stream of an unseeded engine
         # does not depend on the device.
@@ -411,7 +411,7 @@ def raw_logprob_parts(x: torch.Tensor, top_n: int,
     """(logsumexp of each row [R], its top_n logits [R, top_n] largest first, their ids) of logits
     x [R, V], without writing x.
 
-    With `c_kernel` (the engine's cpu_elementwise path) float32 CPU rows go through the C kernel
+    With `c_kernel` (the engine's cpu_sampling path) float32 CPU rows go through the C kernel
     (kernels/cpu/row_logprobs.py: both passes per row while it is in the cache, e^x a fixed
     polynomial, ~3x faster than the torch ops below); a row it cannot take (a NaN, no finite
     maximum) is computed below.

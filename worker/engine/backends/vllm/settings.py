@@ -51,7 +51,7 @@ ADAPTER_SETTINGS = ("backend", "vllm_args", "cpu_threads")
 # Settings of tokenmill's own engine only: refused when set with --backend vllm.
 TOKENMILL_ONLY = (
     "device", "attention_backend", "cpu_step_parts", "amx_gemm", "onednn_linear", "onednn_layers",
-    "greedy_screen", "cpu_elementwise", "cpu_attention_kernel", "decode_layers_in_c", "batch_invariant",
+    "greedy_screen", "cpu_elementwise", "cpu_sampling", "cpu_attention_kernel", "decode_layers_in_c", "batch_invariant",
     "huge_pages", "malloc_tuning", "structured_compile_timeout_s", "structured_compile_threads",
 )
 # vLLM engine arguments the adapter must own: it encodes prompts with the model's tokenizer and reads
