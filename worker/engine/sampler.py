@@ -292,7 +292,8 @@ class Sampler:
             if random and draw_in_c:
                 drawn_rows, drawn_ids = self._draw_in_c(logits, inputs, random)
                 if drawn_rows:
-                    random = [i for i in random if i not in set(drawn_rows)]
+                    drawn = set(drawn_rows)
+                    random = [i for i in random if i not in drawn]
                     random_rows = _on_device(random, torch.long, device)
             if random:
                 params = [inputs[i].params for i in random]

@@ -95,20 +95,22 @@ static double row_exp_sum(const float *x, int64_t n, float m) {
     return total + (double)tail;
 }
 
+/* Puts logit v of id into vals/ids (largest first) at position p or above: the entries from p up that
+   it beats move down one (an equal logit stays above it: it came from an earlier id). */
+static inline void insert_sorted(float *vals, int64_t *ids, int64_t p, float v, int64_t id) {
+    while (p > 0 && vals[p - 1] < v) {
+        vals[p] = vals[p - 1];
+        ids[p] = ids[p - 1];
+        --p;
+    }
+    vals[p] = v;
+    ids[p] = id;
+}
+
 /* The top_n largest of the row, largest first, into vals/ids (top_n >= 1, n >= top_n). */
 static void row_top(const float *x, int64_t n, int64_t top_n, float *vals, int64_t *ids) {
-    int64_t kept = 0;
     int64_t i = 0;
-    for (; i < n && kept < top_n; ++i) { /* fill: insertion, equal logits after the earlier ids */
-        int64_t p = kept++;
-        while (p > 0 && vals[p - 1] < x[i]) {
-            vals[p] = vals[p - 1];
-            ids[p] = ids[p - 1];
-            --p;
-        }
-        vals[p] = x[i];
-        ids[p] = i;
-    }
+    for (; i < top_n; ++i) insert_sorted(vals, ids, i, x[i], i); /* fill */
     float floor = vals[top_n - 1];
     for (; i < n; ++i) {
 #ifdef HAVE_AVX2_FMA
@@ -122,14 +124,7 @@ static void row_top(const float *x, int64_t n, int64_t top_n, float *vals, int64
         }
 #endif
         if (!(x[i] > floor)) continue;
-        int64_t p = top_n - 1;
-        while (p > 0 && vals[p - 1] < x[i]) {
-            vals[p] = vals[p - 1];
-            ids[p] = ids[p - 1];
-            --p;
-        }
-        vals[p] = x[i];
-        ids[p] = i;
+        insert_sorted(vals, ids, top_n - 1, x[i], i); /* the last entry drops out */
         floor = vals[top_n - 1];
     }
 }
