@@ -83,6 +83,31 @@ def test_the_sampler_with_the_kernel_gives_the_same_tokens_and_logprobs_within_r
         assert [v for _, v in a.top_logprobs] == pytest.approx([v for _, v in b.top_logprobs], abs=2e-5)
 
 
+@pytest.mark.parametrize("top", [0, 1, 5])
+def test_greedy_rows_with_logprobs_take_their_argmax_from_the_kernels_top_n_lowest_id_on_ties(top):
+    x = _logits(24, 3000, seed=7)
+    x[3, [10, 400, 2999]] = x[3].max() + 1  # a three-way tie for the maximum: the lowest id wins
+    x[5, :] = 0.25  # every logit equal
+    x[7, 1500:] = float("-inf")  # masked ids
+    inputs = [SamplingInputs(params=SamplingParams(max_tokens=4, temperature=0.0, logprobs=top),
+                             prompt_token_ids=[1], output_token_ids=[], eos_token_ids=[0]) for _ in range(24)]
+    fast = Sampler(seed=0, cpu_kernels=True)(x.clone(), inputs)
+    plain = Sampler(seed=0)(x.clone(), inputs)
+    assert [t.token_id for t in fast] == x.argmax(dim=1).tolist() == [t.token_id for t in plain]
+    assert fast[3].token_id == 10 and fast[5].token_id == 0
+    for r, (a, b) in enumerate(zip(fast, plain, strict=True)):
+        assert a.logprob == pytest.approx(b.logprob, abs=2e-5)
+        if r not in (3, 5):  # among equal logits torch's topk keeps no id order
+            assert [i for i, _ in a.top_logprobs] == [i for i, _ in b.top_logprobs]
+    # The kernel's top-N keeps the lowest ids first among equal logits.
+    assert [i for i, _ in fast[3].top_logprobs][:3] == [10, 400, 2999][:top]
+    assert [i for i, _ in fast[5].top_logprobs] == list(range(top))
+    # A row that is not finite sends the whole step down the argmax path: the same tokens.
+    x[9, 4] = float("nan")
+    odd = Sampler(seed=0, cpu_kernels=True)(x.clone(), inputs)
+    assert [t.token_id for t in odd] == [t.token_id for t in Sampler(seed=0)(x.clone(), inputs)]
+
+
 def test_an_engine_with_cpu_sampling_off_gives_the_same_tokens_and_logprobs_within_rounding(tiny_llama_dir):
     from tokenmill.engine import Engine, EngineConfig, EngineRequest
 

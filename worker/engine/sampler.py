@@ -189,6 +189,10 @@ class Sampler:
         if self.argmax_is_enough(inputs, logprobs_ok=True):
             # Plain greedy rows, some with logprobs: the argmax (under the mask, which the masked
             # argmax leaves unwritten) and the logprobs of the logits as they are, unmasked.
+            if token_mask is None:
+                fused = self._argmax_from_logprob_parts(logits, inputs)
+                if fused is not None:
+                    return fused
             ids = greedy_argmax(logits) if token_mask is None else token_mask.argmax(logits)
             return self._with_logprobs(logits, ids, inputs)
         raw = logits
@@ -367,9 +371,30 @@ class Sampler:
             buf = self._buffers[name] = torch.empty(need, dtype=torch.float32, device=device)
         return buf[:need].view(rows, vocab)
 
+    def _argmax_from_logprob_parts(
+        self, logits: torch.Tensor, inputs: Sequence[SamplingInputs]
+    ) -> list[SampledToken] | None:
+        """Plain greedy rows that all want logprobs, on the C kernel: each row's top-1 is its argmax
+        (lowest id on ties, as greedy_argmax), so the pass the argmax would make over every logit is
+        saved. None where the kernel does not apply or a row is not finite (the caller's path)."""
+        if not (self.cpu_kernels and logits.is_cpu) or any(inp.params.logprobs is None for inp in inputs):
+            return None
+        from tokenmill.kernels.cpu import row_logprobs
+
+        top_n = max(1, *(inp.params.logprobs or 0 for inp in inputs))
+        parts = row_logprobs.logprob_parts(logits, top_n)
+        if parts is None or bool(torch.isnan(parts[0]).any()):
+            return None
+        log_total, top_vals, top_idx = parts
+        ids = top_idx[:, 0].contiguous()
+        return self._with_logprobs(logits, ids, inputs, parts=(log_total, top_vals, top_idx))
+
     def _with_logprobs(
-        self, raw_logits: torch.Tensor, token_ids: torch.Tensor, inputs: Sequence[SamplingInputs]
+        self, raw_logits: torch.Tensor, token_ids: torch.Tensor, inputs: Sequence[SamplingInputs],
+        parts: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> list[SampledToken]:
+        """`parts`: the rows' (logsumexp, top-N logits, their ids) where the caller has them already,
+        every row wanting logprobs and N at least each row's."""
         ids = token_ids.tolist()
         out = [SampledToken(t) for t in ids]
         want = [i for i, inp in enumerate(inputs) if inp.params.logprobs is not None]
@@ -387,7 +412,10 @@ class Sampler:
             chosen_ids = token_ids[rows]
         chosen = x.gather(1, chosen_ids.unsqueeze(1)).squeeze(1)
         top_n = max(n_top)
-        log_total, top_vals, top_idx = raw_logprob_parts(x, top_n, self.cpu_kernels)
+        if parts is not None:
+            log_total, top_vals, top_idx = parts[0], parts[1][:, :top_n], parts[2][:, :top_n]
+        else:
+            log_total, top_vals, top_idx = raw_logprob_parts(x, top_n, self.cpu_kernels)
         chosen_list = (chosen - log_total).tolist()
         top_vals_list: list[list[float]] = [[] for _ in want]
         top_ids_list: list[list[int]] = [[] for _ in want]

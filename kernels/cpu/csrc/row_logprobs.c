@@ -1,6 +1,6 @@
 /* The sampler's logprob parts of float32 logit rows (row_logprobs.py): per row its logsumexp and its
-   top-N logits with their ids, in two passes over the row while it sits in the cache, one thread per
-   row.
+   top-N logits with their ids, in two passes over the row while it sits in the cache (the top-N with
+   the maximum, its first entry; then the sum), one thread per row.
 
    A row's bits depend on that row alone: its maximum is exact in any order; its sum of
    e^(x - max) is kept in 32 float lanes (four 8-lane accumulators; lane j takes the elements
@@ -140,12 +140,15 @@ void rl_logprob_parts(const float *x, int64_t ld, int64_t rows, int64_t n, int64
 #endif
     for (int64_t r = 0; r < rows; ++r) {
         const float *row = x + r * ld;
-        const float m = row_max(row, n);
-        if (!isfinite(m)) {
-            log_total[r] = NAN;
+        float m;
+        if (top_n > 0) {
+            /* The top-1 is the maximum (a NaN never enters the top-N; row_exp_sum finds it): one pass
+               fewer over the row, the first of which reads it from memory. */
+            row_top(row, n, top_n, top_vals + r * top_n, top_ids + r * top_n);
+            m = top_vals[r * top_n];
         } else {
-            log_total[r] = m + (float)log(row_exp_sum(row, n, m));
+            m = row_max(row, n);
         }
-        if (top_n > 0) row_top(row, n, top_n, top_vals + r * top_n, top_ids + r * top_n);
+        log_total[r] = isfinite(m) ? m + (float)log(row_exp_sum(row, n, m)) : NAN;
     }
 }
