@@ -7,9 +7,11 @@
       (32 float lanes in order, reduced in double).
    2. top_p < 1: the smallest z kept is that of the last token, in descending order, whose preceding
       mass is below p S. The mass is gathered by z into buckets of 1/256 nat below m (the last bucket
-      takes everything from 32 nats down), the bucket where the mass crosses p S is found, and only
-      its tokens are sorted. Every token with z at least that cutoff is kept (ties with the last kept
-      one included), as the torch path keeps them.
+      takes everything from 8 nats down, a second level below it), the bucket where the mass crosses
+      p S is found, and only its tokens are sorted. A sample of the row first brackets the crossing,
+      so that only the tokens of the bracket (or above it) are gathered, at a finer resolution
+      (top_p_cutoff). Every token with z at least that cutoff is kept (ties with the last kept one
+      included), as the torch path keeps them.
    3. The draw: the first id, in id order, whose cumulative kept weight exceeds u times the kept
       total; the sums of blocks of 256 ids find its block, a walk through the block finds the id.
       Where u times the total rounds to the total, the last kept id.
@@ -39,6 +41,15 @@
 #define LANES 32
 #define BUCKETS 2048
 #define BLOCK 256
+/* The top_p cut's bracket (sampled_bracket, top_p_cutoff): runs of SAMPLE_RUN tokens every SAMPLE_EVERY place
+   it, BRACKET_MARGIN of the sample's mass either side of the crossing, and the part of the row that holds
+   the crossing is histogrammed at FINE_BUCKETS; rows shorter than BRACKET_MIN_TOKENS take the full
+   histogram. */
+#define SAMPLE_RUN 8
+#define SAMPLE_EVERY 128
+#define BRACKET_MARGIN 0.02
+#define BRACKET_MIN_TOKENS 4096
+#define FINE_BUCKETS 512
 
 typedef struct {
     float z;
@@ -76,6 +87,40 @@ static float scale_and_max(const float *x, int64_t n, float t, float *z, int *na
     return m;
 }
 
+/* The level-0 bucket range [lo, hi] that likely holds the top_p crossing (top_p_cutoff), and, filled by
+   fill_bracket's pass, the exact masses above it and inside it and the ids of the tokens inside it. A
+   token's level-0 bucket is bucket_of's, trunc((m - z) 256) (offset 0 subtracts nothing): above the
+   bracket exactly where (m - z) 256 < lo, inside it where that is not so and (m - z) 256 < hi + 1. */
+typedef struct {
+    int32_t lo, hi;
+    double above, inside;
+    int32_t *ids; /* room for n + 8: eight are stored at a time */
+    int64_t count;
+} Bracket;
+
+#ifdef HAVE_AVX2_FMA
+/* For each 8-bit mask, the lanes whose bit is set, in order (the rest 0): a permutation that packs
+   them to the front, so the ids of a vector's candidates are stored without a branch per candidate. */
+static int32_t pack_lanes[256][8];
+
+__attribute__((constructor)) static void fill_pack_lanes(void) {
+    for (int mask = 0; mask < 256; ++mask) {
+        int k = 0;
+        for (int j = 0; j < 8; ++j)
+            if (mask & (1 << j)) pack_lanes[mask][k++] = j;
+        for (; k < 8; ++k) pack_lanes[mask][k] = 0;
+    }
+}
+
+/* Stores the ids i..i+7 whose bit of `bits` is set at out, packed; their count. */
+static inline int64_t pack_ids(int32_t *out, int bits, int64_t i) {
+    const __m256i lanes = _mm256_add_epi32(_mm256_set1_epi32((int32_t)i), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    _mm256_storeu_si256((__m256i *)out,
+                        _mm256_permutevar8x32_epi32(lanes, _mm256_loadu_si256((const __m256i *)pack_lanes[bits])));
+    return __builtin_popcount((unsigned)bits);
+}
+#endif
+
 /* w = e^(z - m) into w; returns their sum (the lanes as the header says). */
 static double exp_and_sum(const float *z, int64_t n, float m, float *w) {
     float acc[LANES];
@@ -83,14 +128,13 @@ static double exp_and_sum(const float *z, int64_t n, float m, float *w) {
     const int64_t full = n - n % LANES;
     int64_t i = 0;
 #ifdef HAVE_AVX2_FMA
-    const __m256 mv = _mm256_set1_ps(m);
+    const __m256 mv = _mm256_set1_ps(m), ninf = _mm256_set1_ps(-INFINITY);
     __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     for (; i < full; i += LANES) {
         for (int q = 0; q < 4; ++q) {
             const __m256 zv = _mm256_loadu_ps(z + i + 8 * q);
             /* a -inf logit (masked) weighs exactly 0, not the clamped exp's e^-87 */
-            const __m256 e = _mm256_and_ps(exp_vector(_mm256_sub_ps(zv, mv)),
-                                           _mm256_cmp_ps(zv, _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ));
+            const __m256 e = _mm256_and_ps(exp_vector(_mm256_sub_ps(zv, mv)), _mm256_cmp_ps(zv, ninf, _CMP_NEQ_OQ));
             _mm256_storeu_ps(w + i + 8 * q, e);
             a[q] = _mm256_add_ps(a[q], e);
         }
@@ -113,11 +157,62 @@ static double exp_and_sum(const float *z, int64_t n, float m, float *w) {
     return total + (double)tail;
 }
 
+/* Fills the bracket's masses (8 float lanes each, in order, reduced in double) and ids: one pass. */
+static void fill_bracket(const float *z, const float *w, int64_t n, float m, Bracket *br) {
+    float acc_above[8] = {0}, acc_inside[8] = {0};
+    const float lo_f = (float)br->lo, end_f = (float)(br->hi + 1);
+    int64_t i = 0, found = 0;
+#ifdef HAVE_AVX2_FMA
+    const __m256 mv = _mm256_set1_ps(m), sv = _mm256_set1_ps(256.0f), lov = _mm256_set1_ps(lo_f),
+                 endv = _mm256_set1_ps(end_f);
+    __m256 above = _mm256_setzero_ps(), inside = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) {
+        const __m256 d = _mm256_mul_ps(_mm256_sub_ps(mv, _mm256_loadu_ps(z + i)), sv);
+        const __m256 e = _mm256_loadu_ps(w + i);
+        const __m256 is_above = _mm256_cmp_ps(d, lov, _CMP_LT_OQ);
+        const __m256 is_in = _mm256_andnot_ps(is_above, _mm256_cmp_ps(d, endv, _CMP_LT_OQ));
+        above = _mm256_add_ps(above, _mm256_and_ps(e, is_above));
+        inside = _mm256_add_ps(inside, _mm256_and_ps(e, is_in));
+        found += pack_ids(br->ids + found, _mm256_movemask_ps(is_in), i);
+    }
+    _mm256_storeu_ps(acc_above, above);
+    _mm256_storeu_ps(acc_inside, inside);
+#else
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; ++j) {
+            const float d = (m - z[i + j]) * 256.0f;
+            if (d < lo_f) {
+                acc_above[j] += w[i + j];
+            } else if (d < end_f) {
+                acc_inside[j] += w[i + j];
+                br->ids[found++] = (int32_t)(i + j);
+            }
+        }
+#endif
+    double s_above = 0.0, s_inside = 0.0;
+    for (int j = 0; j < 8; ++j) {
+        s_above += (double)acc_above[j];
+        s_inside += (double)acc_inside[j];
+    }
+    for (; i < n; ++i) {
+        const float d = (m - z[i]) * 256.0f;
+        if (d < lo_f) {
+            s_above += (double)w[i];
+        } else if (d < end_f) {
+            s_inside += (double)w[i];
+            br->ids[found++] = (int32_t)i;
+        }
+    }
+    br->above = s_above;
+    br->inside = s_inside;
+    br->count = found;
+}
+
 /* The bucket of a token whose z is d = m - z nats below the maximum, at a level that starts `offset`
-   nats down with `scale` buckets a nat; the last bucket takes everything further down. */
-static inline int32_t bucket_of(float z, float m, float offset, float scale) {
+   nats down with `scale` buckets a nat; bucket `last` takes everything further down. */
+static inline int32_t bucket_of(float z, float m, float offset, float scale, int32_t last) {
     const float d = (m - z - offset) * scale;
-    return d < (float)(BUCKETS - 1) ? (int32_t)d : BUCKETS - 1;
+    return d < (float)last ? (int32_t)d : last;
 }
 
 static int by_z_descending(const void *a, const void *b) {
@@ -125,33 +220,34 @@ static int by_z_descending(const void *a, const void *b) {
     return za < zb ? 1 : za > zb ? -1 : 0;
 }
 
-/* One level of the search: the bucket of each candidate (ids, or every token where ids is NULL) into
-   idx, their masses by bucket (four float histograms, candidate k into histogram k % 4, so tokens of
-   one bucket close together do not wait on each other's store; merged in double in a fixed order),
-   and the bucket where `before` plus the mass reaches target, `before` advanced past the buckets
-   above it; -1 where the target is not reached. */
+/* One level of the search over `buckets` buckets (at most BUCKETS): the bucket of each candidate (ids,
+   or every token where ids is NULL) into idx, their masses by bucket (four float histograms,
+   candidate k into histogram k % 4, so tokens of one bucket close together do not wait on each other's
+   store; merged in double in a fixed order), and the bucket where `before` plus the mass reaches
+   target, `before` advanced past the buckets above it; -1 where the target is not reached. */
 static int crossing_bucket(const float *z, const float *w, const int32_t *ids, int64_t count, float m, float offset,
-                           float scale, double target, double *before, double *hist, int32_t *idx) {
+                           float scale, int32_t buckets, double target, double *before, double *hist, int32_t *idx) {
     float *part = (float *)(hist + BUCKETS); /* 4 x BUCKETS floats after the BUCKETS doubles */
+    const int32_t last = buckets - 1;
     int64_t k = 0;
 #ifdef HAVE_AVX2_FMA
     if (ids == NULL) {
         const __m256 mv = _mm256_set1_ps(m), ov = _mm256_set1_ps(offset), sv = _mm256_set1_ps(scale),
-                     last = _mm256_set1_ps((float)(BUCKETS - 1));
+                     lastv = _mm256_set1_ps((float)last);
         for (; k + 8 <= count; k += 8) {
             /* the scalar bucket_of's operations; -inf logits give +inf: the last bucket (their weight is 0) */
             const __m256 d = _mm256_mul_ps(_mm256_sub_ps(_mm256_sub_ps(mv, _mm256_loadu_ps(z + k)), ov), sv);
-            _mm256_storeu_si256((__m256i *)(idx + k), _mm256_cvttps_epi32(_mm256_min_ps(d, last)));
+            _mm256_storeu_si256((__m256i *)(idx + k), _mm256_cvttps_epi32(_mm256_min_ps(d, lastv)));
         }
     }
 #endif
-    for (; k < count; ++k) idx[k] = bucket_of(z[ids ? ids[k] : k], m, offset, scale);
-    memset(part, 0, 4 * BUCKETS * sizeof(float));
+    for (; k < count; ++k) idx[k] = bucket_of(z[ids ? ids[k] : k], m, offset, scale, last);
+    for (int h = 0; h < 4; ++h) memset(part + h * BUCKETS, 0, (size_t)buckets * sizeof(float));
     const int64_t full = count - count % 4;
     for (k = 0; k < full; k += 4)
         for (int h = 0; h < 4; ++h) part[h * BUCKETS + idx[k + h]] += w[ids ? ids[k + h] : k + h];
     for (; k < count; ++k) part[idx[k]] += w[ids ? ids[k] : k];
-    for (int b = 0; b < BUCKETS; ++b) {
+    for (int b = 0; b < buckets; ++b) {
         const double mass = (((double)part[b] + (double)part[BUCKETS + b]) + (double)part[2 * BUCKETS + b]) +
                             (double)part[3 * BUCKETS + b];
         if (*before + mass >= target) return b;
@@ -162,42 +258,18 @@ static int crossing_bucket(const float *z, const float *w, const int32_t *ids, i
 
 /* The candidates (their positions k in idx's order) in bucket b into out, as token ids. */
 static int64_t gather(const int32_t *ids, const int32_t *idx, int64_t count, int32_t b, int32_t *out) {
-    int64_t found = 0, k = 0;
-#ifdef HAVE_AVX2_FMA
-    const __m256i bv = _mm256_set1_epi32(b);
-    for (; k + 8 <= count; k += 8) {
-        int bits = _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_loadu_si256((const __m256i *)(idx + k)), bv)));
-        while (bits) {
-            const int j = __builtin_ctz(bits);
-            out[found++] = ids ? ids[k + j] : (int32_t)(k + j);
-            bits &= bits - 1;
-        }
+    int64_t found = 0;
+    for (int64_t k = 0; k < count; ++k) {
+        out[found] = ids ? ids[k] : (int32_t)k;
+        found += idx[k] == b; /* no branch per candidate: a flat row's bucket is its tokens' coin toss */
     }
-#endif
-    for (; k < count; ++k)
-        if (idx[k] == b) out[found++] = ids ? ids[k] : (int32_t)k;
     return found;
 }
 
-/* The smallest kept z under top_p (see the header), or -INFINITY where every token is kept. Level 0
-   covers 8 nats below the maximum at 256 buckets a nat; where the crossing lies further down (top_p
-   close to 1), level 1 takes the tokens below, 8 to 72 nats down at 32 a nat. */
-static float top_p_cutoff(const float *z, const float *w, int64_t n, float m, double target, double *hist,
-                          int32_t *idx, int32_t *ids, Entry *entries) {
-    double before = 0.0;
-    int32_t b = crossing_bucket(z, w, NULL, n, m, 0.0f, 256.0f, target, &before, hist, idx);
-    if (b < 0) return -INFINITY; /* p S not reached (p rounds to 1): keep all */
-    int64_t count = gather(NULL, idx, n, b, ids);
-    if (b == BUCKETS - 1) {
-        const double at = before;
-        const int32_t b1 = crossing_bucket(z, w, ids, count, m, 8.0f, 32.0f, target, &before, hist, idx);
-        if (b1 < 0) return -INFINITY;
-        if (b1 < BUCKETS - 1) {
-            count = gather(ids, idx, count, b1, ids); /* in place: out never runs ahead of the reads */
-        } else {
-            before = at; /* beyond 72 nats: sort every token of level 0's last bucket (never met in practice) */
-        }
-    }
+/* The cut among the tokens ids[0..count-1] of the crossing bucket, `before` the mass above them: in
+   descending z, the z of the last token whose preceding mass is below target. */
+static float cutoff_among(const float *z, const float *w, const int32_t *ids, int64_t count, double before,
+                          double target, Entry *entries) {
     for (int64_t k = 0; k < count; ++k) entries[k] = (Entry){z[ids[k]], w[ids[k]]};
     qsort(entries, (size_t)count, sizeof(Entry), by_z_descending);
     float cutoff = entries[0].z; /* the bucket's first token: its preceding mass is `before` < target */
@@ -207,6 +279,124 @@ static float top_p_cutoff(const float *z, const float *w, int64_t n, float m, do
         before += (double)entries[k].w;
     }
     return cutoff;
+}
+
+/* The smallest kept z under top_p by a histogram of every token, or -INFINITY where every token is
+   kept. Level 0 covers 8 nats below the maximum at 256 buckets a nat; where the crossing lies further
+   down (top_p close to 1), level 1 takes the tokens below, 8 to 72 nats down at 32 a nat. */
+static float top_p_cutoff_full(const float *z, const float *w, int64_t n, float m, double target, double *hist,
+                               int32_t *idx, int32_t *ids, Entry *entries) {
+    double before = 0.0;
+    int32_t b = crossing_bucket(z, w, NULL, n, m, 0.0f, 256.0f, BUCKETS, target, &before, hist, idx);
+    if (b < 0) return -INFINITY; /* p S not reached (p rounds to 1): keep all */
+    int64_t count = gather(NULL, idx, n, b, ids);
+    if (b == BUCKETS - 1) {
+        const double at = before;
+        const int32_t b1 = crossing_bucket(z, w, ids, count, m, 8.0f, 32.0f, BUCKETS, target, &before, hist, idx);
+        if (b1 < 0) return -INFINITY;
+        if (b1 < BUCKETS - 1) {
+            count = gather(ids, idx, count, b1, ids); /* in place: out never runs ahead of the reads */
+        } else {
+            before = at; /* beyond 72 nats: sort every token of level 0's last bucket (never met in practice) */
+        }
+    }
+    return cutoff_among(z, w, ids, count, before, target, entries);
+}
+
+/* The level-0 buckets [*lo, *hi] where the mass of a sample of the row, from the top, crosses the
+   fraction p of the sample's, BRACKET_MARGIN of it either side. The sample: SAMPLE_RUN consecutive
+   tokens every SAMPLE_EVERY (token ids carry no order of logits), weighed with the same e^x. */
+static void sampled_bracket(const float *z, int64_t n, float m, double p, double *hist, int32_t *lo, int32_t *hi) {
+    memset(hist, 0, BUCKETS * sizeof(double));
+    double sampled = 0.0, lanes[SAMPLE_RUN] = {0};
+    for (int64_t k = 0; k + SAMPLE_RUN <= n; k += SAMPLE_EVERY) {
+        float w8[SAMPLE_RUN];
+        int32_t b8[SAMPLE_RUN];
+#ifdef HAVE_AVX2_FMA
+        const __m256 zv = _mm256_loadu_ps(z + k), mv = _mm256_set1_ps(m);
+        _mm256_storeu_ps(w8, _mm256_and_ps(exp_vector(_mm256_sub_ps(zv, mv)),
+                                           _mm256_cmp_ps(zv, _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ)));
+        /* bucket_of's operations at level 0 (-inf: +inf, the last bucket) */
+        _mm256_storeu_si256((__m256i *)b8, _mm256_cvttps_epi32(_mm256_min_ps(
+            _mm256_mul_ps(_mm256_sub_ps(mv, zv), _mm256_set1_ps(256.0f)), _mm256_set1_ps((float)(BUCKETS - 1)))));
+#else
+        for (int j = 0; j < SAMPLE_RUN; ++j) {
+            w8[j] = z[k + j] == -INFINITY ? 0.0f : exp_scalar(z[k + j] - m);
+            b8[j] = bucket_of(z[k + j], m, 0.0f, 256.0f, BUCKETS - 1);
+        }
+#endif
+        for (int j = 0; j < SAMPLE_RUN; ++j) {
+            hist[b8[j]] += (double)w8[j];
+            lanes[j] += (double)w8[j]; /* a chain per lane, not one long chain of adds */
+        }
+    }
+    for (int j = 0; j < SAMPLE_RUN; ++j) sampled += lanes[j];
+    const double from = (p - BRACKET_MARGIN) * sampled, to = (p + BRACKET_MARGIN) * sampled;
+    double mass = 0.0;
+    int32_t b = 0;
+    for (; b < BUCKETS - 1; ++b) { /* the first bucket whose mass, with the ones above, reaches `from` */
+        mass += hist[b];
+        if (mass >= from) break;
+    }
+    *lo = b;
+    while (b < BUCKETS - 1 && mass < to) mass += hist[++b];
+    *hi = b;
+}
+
+/* The ids, in order, of the tokens in level-0 buckets [lo, hi] into out (room for n + 8); their count. */
+static int64_t gather_range(const float *z, int64_t n, float m, int32_t lo, int32_t hi, int32_t *out) {
+    const float lo_f = (float)lo, end_f = (float)(hi + 1);
+    int64_t found = 0, i = 0;
+#ifdef HAVE_AVX2_FMA
+    const __m256 mv = _mm256_set1_ps(m), sv = _mm256_set1_ps(256.0f), lov = _mm256_set1_ps(lo_f),
+                 endv = _mm256_set1_ps(end_f);
+    for (; i + 8 <= n; i += 8) {
+        const __m256 d = _mm256_mul_ps(_mm256_sub_ps(mv, _mm256_loadu_ps(z + i)), sv);
+        found += pack_ids(out + found, _mm256_movemask_ps(_mm256_andnot_ps(_mm256_cmp_ps(d, lov, _CMP_LT_OQ),
+                                                                           _mm256_cmp_ps(d, endv, _CMP_LT_OQ))), i);
+    }
+#endif
+    for (; i < n; ++i) {
+        const float d = (m - z[i]) * 256.0f;
+        if (!(d < lo_f) && d < end_f) out[found++] = (int32_t)i;
+    }
+    return found;
+}
+
+/* The smallest kept z under top_p (see the header), or -INFINITY where every token is kept.
+
+   A histogram of every token costs a scattered add per token, most of a flat row's draw. So where
+   fill_bracket's pass filled a bracket (br), the histogram takes only the tokens of the part of the row
+   that holds the crossing: the bracket (a few % of a flat row's tokens), or, where the sample missed
+   the few heavy tokens of a peaked row, the tokens above it; at FINE_BUCKETS over that part, so the
+   bucket that is sorted holds a few tokens. Where the crossing lies below the bracket, or rounding
+   leaves the part's histogram short of the target, the full histogram decides. Every choice is made
+   from the row alone, so the draw still depends on the row, its uniform and its settings alone. */
+static float top_p_cutoff(const float *z, const float *w, int64_t n, float m, double target, Bracket *br,
+                          double *hist, int32_t *idx, int32_t *ids, Entry *entries) {
+    if (br) {
+        int32_t from = -1, to = -1;
+        double before = 0.0;
+        int64_t count = 0;
+        if (br->above < target && br->above + br->inside >= target) {
+            from = br->lo, to = br->hi, before = br->above, count = br->count;
+            if (br->ids != ids) memcpy(ids, br->ids, (size_t)count * sizeof(int32_t));
+        } else if (br->above >= target && br->lo > 0) {
+            from = 0, to = br->lo - 1; /* the crossing lies above the bracket */
+            count = gather_range(z, n, m, from, to, ids);
+        }
+        if (from >= 0 && count > 0) {
+            const int32_t span = to - from + 1, per = FINE_BUCKETS / span > 0 ? FINE_BUCKETS / span : 1;
+            const int32_t buckets = span * per < BUCKETS ? span * per : BUCKETS;
+            const int32_t b = crossing_bucket(z, w, ids, count, m, (float)from / 256.0f, 256.0f * (float)per,
+                                              buckets, target, &before, hist, idx);
+            if (b >= 0) {
+                count = gather(ids, idx, count, b, ids); /* in place, as in the full search */
+                if (count > 0) return cutoff_among(z, w, ids, count, before, target, entries);
+            }
+        }
+    }
+    return top_p_cutoff_full(z, w, n, m, target, hist, idx, ids, entries);
 }
 
 /* The kept weight of ids [begin, end): w where z >= cutoff, summed in 8 float lanes in order. */
@@ -284,7 +474,7 @@ void rs_sample_rows(const float *x, int64_t ld, const int64_t *rows_idx, int64_t
         double *hist = malloc(3 * BUCKETS * sizeof(double)); /* BUCKETS doubles, then 4 x BUCKETS floats */
         Entry *entries = malloc((size_t)n * sizeof(Entry));
         int32_t *idx = malloc((size_t)n * sizeof(int32_t));
-        int32_t *ids = malloc((size_t)n * sizeof(int32_t));
+        int32_t *ids = malloc((size_t)(n + 8) * sizeof(int32_t)); /* gather_range writes 8 at a time */
         double *block_sums = malloc((size_t)((n + BLOCK - 1) / BLOCK) * sizeof(double));
         const int ok = z && w && hist && entries && idx && ids && block_sums;
 #ifdef _OPENMP
@@ -296,9 +486,15 @@ void rs_sample_rows(const float *x, int64_t ld, const int64_t *rows_idx, int64_t
             int nan = 0;
             const float m = scale_and_max(x + rows_idx[r] * ld, n, temps[r], z, &nan);
             if (nan || !isfinite(m)) continue;
+            /* A bracket for the top_p cut, from a sample of the row, filled after the pass of e^x. */
+            Bracket bracket = {.lo = 0, .hi = BUCKETS - 1, .above = 0.0, .inside = 0.0, .ids = ids, .count = 0};
+            const int use_bracket = top_ps[r] < 1.0f && n >= BRACKET_MIN_TOKENS;
+            if (use_bracket) sampled_bracket(z, n, m, (double)top_ps[r], hist, &bracket.lo, &bracket.hi);
+            Bracket *br = use_bracket && bracket.hi < BUCKETS - 1 ? &bracket : NULL;
             const double total = exp_and_sum(z, n, m, w);
+            if (br) fill_bracket(z, w, n, m, br);
             float cutoff = -INFINITY;
-            if (top_ps[r] < 1.0f) cutoff = top_p_cutoff(z, w, n, m, (double)top_ps[r] * total, hist, idx, ids, entries);
+            if (top_ps[r] < 1.0f) cutoff = top_p_cutoff(z, w, n, m, (double)top_ps[r] * total, br, hist, idx, ids, entries);
             out_ids[r] = draw(z, w, n, cutoff, uniforms[r], block_sums);
         }
         free(z);
