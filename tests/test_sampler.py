@@ -520,3 +520,18 @@ def test_random_mixes_match_reference_alone_and_batched(trial):
             want, seeded_uniform(inp.params.seed, len(inp.output_token_ids))
         )
         assert sampler(logits[i : i + 1], [inp])[0].token_id == tokens[i].token_id
+
+
+def test_the_vectorised_seeded_uniforms_are_seeded_uniforms_bits():
+    import random
+
+    from tokenmill.engine.sampler import seeded_uniforms
+
+    rng = random.Random(3)
+    edges = [0, 1, -1, 2**63, 2**64 - 1, 2**64, 2**70 + 5, -(2**65)]
+    seeds = edges + [rng.randrange(-(2**66), 2**66) for _ in range(2000)]
+    steps = [rng.choice(edges) if i % 5 == 0 else rng.randrange(0, 10**6) for i in range(len(seeds))]
+    got = seeded_uniforms(seeds, steps)
+    assert got.dtype == torch.float64
+    assert got.tolist() == [seeded_uniform(a, b) for a, b in zip(seeds, steps, strict=True)]
+    assert seeded_uniforms([], []).numel() == 0

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from itertools import chain
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from tokenmill.engine.types import SamplingParams
@@ -104,6 +105,23 @@ def _splitmix64(x: int) -> int:
 def seeded_uniform(seed: int, step: int) -> float:
     """A uniform number in [0, 1) that depends only on (seed, step): a seeded row's randomness."""
     return (_splitmix64(_splitmix64(seed & _MASK64) ^ (step & _MASK64)) >> 11) * (1.0 / (1 << 53))
+
+
+def _splitmix64_array(x: np.ndarray) -> np.ndarray:
+    """_splitmix64 of each uint64: numpy's uint64 arithmetic wraps modulo 2**64, as the masks do."""
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def seeded_uniforms(seeds: Sequence[int], steps: Sequence[int]) -> torch.Tensor:
+    """float64 [len(seeds)]: seeded_uniform of each (seed, step), the same bits, in one vectorised
+    pass (a 256-row step's uniforms one at a time in Python took about 0.9 ms)."""
+    s = np.array([seed & _MASK64 for seed in seeds], dtype=np.uint64)
+    t = np.array([step & _MASK64 for step in steps], dtype=np.uint64)
+    bits = _splitmix64_array(_splitmix64_array(s) ^ t) >> np.uint64(11)  # below 2**53: exact in float64
+    return torch.from_numpy(bits.astype(np.float64) * (1.0 / (1 << 53)))
 
 
 # Block width of greedy_argmax's first pass on CPU.
@@ -359,9 +377,10 @@ class Sampler:
         u = torch.empty(len(inputs), dtype=torch.float64)
         if unseeded:
             u[unseeded] = torch.rand(len(unseeded), generator=self._generator, dtype=torch.float64)
-        for j, inp in enumerate(inputs):
-            if inp.params.seed is not None:
-                u[j] = seeded_uniform(inp.params.seed, num_generated(inp))
+        seeded = [j for j, inp in enumerate(inputs) if inp.params.seed is not None]
+        if seeded:
+            u[seeded] = seeded_uniforms([inputs[j].params.seed for j in seeded],
+                                        [num_generated(inputs[j]) for j in seeded])
         return u
 
     def _workspace(self, rows: int, vocab: int, device: torch.device, name: str = "main") -> torch.Tensor:
