@@ -311,7 +311,7 @@ async def test_a_two_minute_outage_mid_run_loses_nothing_and_the_worker_waits_it
     true after, the worker process never exits, every job gets its Result."""
     from tokenmill.tools.chaos.scenarios import ChaosConfig, run_scenario
 
-    config = ChaosConfig("outage", jobs=1200, workers=1, max_tokens=48, partitions=2, outage_s=120.0,
+    config = ChaosConfig("outage", jobs=400, workers=1, max_tokens=48, partitions=2, outage_s=120.0,
                          drain_timeout_s=120.0, work_dir=tmp_path)
     report = await run_scenario(config, broker=own_broker)
     print("\n" + report.format())
