@@ -14,9 +14,11 @@ from tokenmill.tools.gpu_check import runner
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.slow
-def test_dry_run_writes_a_complete_report_without_kafka_pydantic_or_boto3(tmp_path):
-    """One full dry run in a fresh interpreter (so sys.modules shows exactly what gpu_check imports)."""
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+    """One full dry run in a fresh interpreter (so sys.modules shows exactly what gpu_check imports),
+    shared by the tests that read its report: (the process, its output folder)."""
+    tmp_path = tmp_path_factory.mktemp("gpu_check_dry_run")
     driver = (
         # The GPU image has the engine's packages only. accelerate (which lm-eval's extra brings into
         # the dev environment) would be imported by transformers' model loading, and it imports
@@ -31,6 +33,12 @@ def test_dry_run_writes_a_complete_report_without_kafka_pydantic_or_boto3(tmp_pa
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-c", driver], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)
+    return proc, tmp_path
+
+
+@pytest.mark.slow
+def test_dry_run_writes_a_complete_report_without_kafka_pydantic_or_boto3(dry_run):
+    proc, tmp_path = dry_run
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert report["dry_run"] is True and report["failed"] == []
@@ -60,11 +68,12 @@ def test_dry_run_writes_a_complete_report_without_kafka_pydantic_or_boto3(tmp_pa
     assert "| throughput | yes |" in md and "## kernels" in md
 
 
-def test_structured_section_measures_constrained_rows_against_the_same_rows_unconstrained(tmp_path):
-    rc = gpu_check.main(["--dry-run", "--out", str(tmp_path), "--only", "structured"])
+@pytest.mark.slow
+def test_structured_section_measures_constrained_rows_against_the_same_rows_unconstrained(dry_run):
+    proc, tmp_path = dry_run
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     st = report["sections"]["structured"]
-    assert rc == 0 and st["ok"], st.get("error", st.get("problems"))
+    assert proc.returncode == 0 and st["ok"], st.get("error", st.get("problems"))
     assert st["requests"] == 8 and st["peak_running"] == 8 and st["compiles"] == 8
     assert st["valid"] == st["stop"] and st["whitespace_runs"] == 0 and st["constraint_failures"] == 0
     assert st["mask_steps"] > 0 and st["step_ms_constrained"] > 0 and st["step_ms_unconstrained"] > 0
