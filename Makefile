@@ -32,7 +32,7 @@ test: setup kafka-jars registry
 	$(PY) -m pytest -q -m serial --durations=5 $(PYTEST_ARGS)
 	@$(MAKE) --no-print-directory test-vllm
 
-# The inner loop: the tests that are neither slow nor need Kafka, in parallel (about 3 minutes on 2 cores).
+# The inner loop: the tests that are neither slow nor need Kafka, in parallel (under 2 minutes on 2 cores).
 QUICK_WORKERS ?= 2
 test-quick: setup registry
 	$(PY) -m pytest -q -n $(QUICK_WORKERS) --dist loadgroup \

@@ -165,6 +165,7 @@ def _results_in_state(state: Path) -> int:
         return 0
 
 
+@pytest.mark.slow
 def test_s3_parquet_backfill_killed_halfway_then_resumed(tmp_path, tiny_llama_dir, s3_bucket):
     """Done-when: 300-row Parquet on S3 -> Parquet on S3, 300 rows in input order; a run killed
     halfway and resumed leaves no row missing and no row twice."""

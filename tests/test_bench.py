@@ -19,6 +19,7 @@ FIELDS = {
 pytestmark = pytest.mark.usefixtures("fresh_startup_clock")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workload,requests", [("mixed", 3), ("prefix", 6)])
 def test_bench_writes_report(tmp_path, tiny_llama_dir, workload, requests, capsys):
     out = tmp_path / "bench.json"
@@ -47,6 +48,7 @@ def test_bench_writes_report(tmp_path, tiny_llama_dir, workload, requests, capsy
     assert "ratio" in table and "s  (process start -> engine ready)" in table
 
 
+@pytest.mark.slow
 def test_a_bench_process_reports_its_start_and_its_first_result(tmp_path, tiny_llama_dir):
     """From the process's own start to its first engine ready, then to that engine's first
     finished request: both inside the process's wall time, one after the other."""

@@ -16,6 +16,7 @@ STEP_FIELDS = {
 }
 
 
+@pytest.mark.slow
 def test_bench_features_compares_each_feature_with_plain_greedy_rows(tmp_path, tiny_llama_dir, capsys):
     out = tmp_path / "features.json"
     code = main(["bench", "--workload", "features", "--model", str(tiny_llama_dir), "--requests", "8",

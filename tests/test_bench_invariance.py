@@ -19,6 +19,7 @@ def model(tiny_llama_dir):
     return tiny_llama_dir, load_model_config(tiny_llama_dir)
 
 
+@pytest.mark.slow
 def test_every_job_is_the_same_bits_in_every_placement(model):
     model_dir, mc = model
     report = bi.run_invariance("tiny-llama", model_dir, mc, num_requests=30, seed=3,
@@ -39,6 +40,7 @@ def test_every_job_is_the_same_bits_in_every_placement(model):
     assert "identical in every placement  30/30" in table
 
 
+@pytest.mark.slow
 def test_without_batch_invariance_the_same_jobs_differ(model):
     """The comparison has teeth: on MKL's GEMMs and torch's SiLU the logprobs move with the batch."""
     model_dir, mc = model

@@ -47,6 +47,7 @@ def test_the_workload_shares_one_context_per_question():
     assert score_workload(2048, 5, 2, {0, 1, 2}, **SHAPE).prompts != work.prompts
 
 
+@pytest.mark.slow
 def test_the_report_has_the_figures_and_the_cache_computes_each_context_once(report):
     for key in ("ratio", "prefill_tokens_computed", "prompt_tokens", "prefill_fraction", "peak_rss_mb",
                 "engine_requests_s", "engine_tok_s", "baseline_requests_s", "baseline_tok_s",

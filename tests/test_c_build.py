@@ -24,6 +24,7 @@ def test_the_package_holds_its_c_sources():
     assert (build.CSRC / "amx_tiles.h").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(build.find_compiler() is None, reason="no C compiler")
 @pytest.mark.parametrize("march", ["-march=native", "-march=x86-64"], ids=["native", "portable"])
 @pytest.mark.parametrize("source", SOURCES, ids=[p.stem for p in SOURCES])
@@ -38,6 +39,7 @@ def test_every_source_compiles_with_the_production_flags_and_no_warning(source, 
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(build.find_compiler() is None, reason="no C compiler")
 @pytest.mark.parametrize("source", SOURCES, ids=[p.stem for p in SOURCES])
 def test_every_source_builds_without_openmp(source, tmp_path):

@@ -31,6 +31,7 @@ def test_converted_smollm2_is_a_plain_float_checkpoint(smollm2_dir):
     assert tok.chat_template and len(tok) == 49152
 
 
+@pytest.mark.slow
 def test_smollm2_greedy_tokens_equal_transformers(smollm2_dir):
     from transformers import AutoModelForCausalLM
 

@@ -108,6 +108,7 @@ def tiny_reference(request, task_reqs):
         task_reqs["ppl"], disable_tqdm=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("setting", SETTINGS)
 def test_every_loglikelihood_equals_hflm_on_tiny_models(tiny_reference, task_reqs, setting):
     model_dir, ref_mc, ref_ppl = tiny_reference

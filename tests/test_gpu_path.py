@@ -147,6 +147,7 @@ def test_capture_sizes_cover_every_batch_up_to_max_num_seqs():
 # ------------------------------------------------------------------------------ graphs (eager)
 
 
+@pytest.mark.slow
 def test_engine_decodes_through_the_graph_runner_and_matches_transformers(llama_dir, hf_greedy):
     prompts = make_prompts(6)
     max_new = [5, 3, 6, 4, 5, 2]
@@ -219,6 +220,7 @@ def use_accelerator_rotary_table(engine):
 MIXED_SAMPLING = [dict(temperature=0.0), dict(temperature=0.8, top_k=20, seed=3), dict(temperature=1.0, min_p=0.05)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("async_scheduling", ["off", "on"])
 @pytest.mark.parametrize("sampling", ["greedy", "mixed"])
 def test_a_decode_step_reads_only_the_sampled_ids_from_the_device(llama_dir, monkeypatch, async_scheduling, sampling):
@@ -315,6 +317,7 @@ def test_the_runner_frees_its_rows_from_the_finished_and_preempted_requests_of_e
     assert sorted(engine.runner._free_rows) == [0, 1, 2, 3]
 
 
+@pytest.mark.slow
 def test_async_with_graphs_matches_transformers(llama_dir, hf_greedy):
     """Both GPU-path features together, as they run on a GPU: pending decode tokens are filled on
     the device and then copied into the graph runner's static buffers."""

@@ -59,6 +59,7 @@ def _faults(setting: str = "auto", **env) -> tuple[str, int]:
     return out[0], int(out[1])
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc malloc only")
 def test_tuned_process_reuses_freed_activation_memory():
     state, tuned = _faults("on")
@@ -80,6 +81,7 @@ def test_a_users_own_malloc_choice_is_left_alone(env, why):
     assert why in skip_reason(env)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc malloc only")
 def test_malloc_tuning_on_refuses_a_process_where_it_cannot_act():
     proc = subprocess.run([sys.executable, "-c", _STEPS, "on"], env={**_clean_env(), "MALLOC_TOP_PAD_": "1048576"},
@@ -127,6 +129,7 @@ def _thp_mode() -> str:
     return text.split("[")[1].split("]")[0]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(_thp_mode() == "absent", reason="a Linux kernel with transparent huge pages only")
 def test_large_tensors_go_on_huge_pages_when_asked_in_time():
     state, huge_kb = _huge_pages("first")
@@ -145,6 +148,7 @@ def test_a_users_own_huge_page_choice_is_left_alone():
     assert huge_pages_skip_reason({"THP_MEM_ALLOC_ENABLE": "0"}) == "THP_MEM_ALLOC_ENABLE=0 set by the user"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(_thp_mode() == "absent", reason="a Linux kernel with transparent huge pages only")
 def test_huge_pages_on_refuses_a_process_where_it_is_too_late():
     clean = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
@@ -173,6 +177,7 @@ _ENGINE = textwrap.dedent("""
 
 @pytest.mark.skipif(_thp_mode() == "absent" or platform.libc_ver()[0] != "glibc",
                     reason="glibc on a Linux kernel with transparent huge pages only")
+@pytest.mark.slow
 def test_the_engine_applies_both_settings_before_it_loads_its_model():
     from tokenmill.tools.tiny_models import cached_tiny_model
 

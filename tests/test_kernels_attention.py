@@ -18,12 +18,14 @@ from tokenmill.kernels.paged_attention import choose_num_splits, paged_attention
 DTYPES = [torch.float32, torch.float16]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", ATTENTION_CASES, ids=lambda c: c.name)
 def test_paged_attention_matches_reference(case, dtype):
     assert attention_error(case, dtype, "cpu") <= TOLERANCE[dtype]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", random_attention_cases(seed=7, count=8), ids=lambda c: c.name)
 def test_paged_attention_random_shapes(case):
     for dtype in DTYPES:

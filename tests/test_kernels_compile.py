@@ -36,6 +36,7 @@ def test_all_kernels_compile_for_sm90():
         assert kernel in names
 
 
+@pytest.mark.slow
 def test_the_compile_check_rejects_what_only_a_gpu_compiler_rejects(tmp_path):
     """An fp16 tl.dot with K = 8 (under the GPU minimum of 16) runs under the interpreter but must fail here."""
     (tmp_path / "bad_kernel.py").write_text(textwrap.dedent('''

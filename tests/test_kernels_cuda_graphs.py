@@ -46,6 +46,7 @@ def prefilled(tiny_llama_dir):
     return model, kv, tables, [len(p) for p in prompts]
 
 
+@pytest.mark.slow
 def test_padded_decode_equals_exact_decode_and_padding_writes_nothing(prefilled):
     model, kv, tables, lens = prefilled
     rows = [(n, 1) for n in lens]

@@ -81,6 +81,7 @@ def _invariant(seqs: Sequences, rows, **kwargs) -> torch.Tensor:
     return seqs.launch(rows, batch_invariant=True, split_keys=SPLIT_KEYS, **kwargs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32], ids=str)  # the order under test is the same in every dtype
 def test_a_token_gets_the_same_bits_alone_in_a_batch_in_its_prompt_and_in_a_chunk(dtype, ordered_dot):
     seqs = Sequences([75, 40, 9, 120, 33], dtype=dtype)
@@ -140,6 +141,7 @@ def test_element_wise_kernels_give_a_row_the_same_bits_at_any_row_count():
     assert torch.equal(q_one, q_all[4:5]) and torch.equal(k_one, k_all[4:5])
 
 
+@pytest.mark.slow
 def test_an_engine_on_the_triton_backend_gives_a_request_the_same_bits_alone_and_in_a_chunked_batch(
         tiny_llama_dir, ordered_dot):
     """The engine end to end with the Triton attention (interpreted) and the fixed-order GEMMs: greedy and

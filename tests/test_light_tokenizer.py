@@ -204,6 +204,7 @@ def test_a_damaged_record_is_made_again(own_cache, tiny_llama):
     assert isinstance(light_tokenizer.load_recorded(folder, lambda: None), LightTokenizer)
 
 
+@pytest.mark.slow
 def test_an_engine_on_a_recorded_checkpoint_never_imports_transformers(own_cache, tiny_llama):
     folder = tiny_llama
     load_tokenizer(folder)  # the record

@@ -167,6 +167,7 @@ def test_an_unwritable_cache_only_costs_the_next_start(folders, tmp_path, monkey
     assert not os.path.isdir(blocker)
 
 
+@pytest.mark.slow
 def test_smollm2_from_its_prepared_file_is_the_checkpoint_model(folders):
     if "smollm2" not in folders:
         pytest.skip(unavailable_reason())

@@ -37,6 +37,7 @@ def test_a_part_can_be_named_by_where_it_is_called_from():
     assert timer.calls["in b"] == 1 and timer.calls["elsewhere"] == 1
 
 
+@pytest.mark.slow
 def test_a_profile_of_the_mixed_workload_accounts_for_its_wall_time():
     run = profile_once("tiny-llama", threads=1, num_requests=6)
     parts = run["parts_s"]

@@ -156,6 +156,7 @@ def test_bad_constraints_fail_with_a_reason_in_time_while_100_other_jobs_finish_
             assert output_problem(constraint, d.output_text, tiny_llama_dir, d.output_token_ids) is None
 
 
+@pytest.mark.slow
 def test_the_same_bad_constraint_again_fails_fast_from_the_cache(tiny_llama_dir):
     engine = new_engine(tiny_llama_dir)  # its own compile cache: the first submission here compiles
     first, _ = run_timed(engine, [request("first-" + name, c) for name, c, _ in [*BAD, SLOW]])

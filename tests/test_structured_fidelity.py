@@ -135,6 +135,7 @@ def assert_reference_is_meaningful(case):
                                                                           strict=True) if c)
 
 
+@pytest.mark.slow
 def test_greedy_constrained_output_equals_transformers_and_again_from_the_prefix_cache(case):
     assert_reference_is_meaningful(case)
     engine = make_engine(case)

@@ -44,6 +44,7 @@ def test_the_light_config_picks_the_tokenizer_autotokenizer_picks(model_dir):
             theirs.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True, return_dict=False)
 
 
+@pytest.mark.slow
 def test_loading_the_tokenizer_leaves_the_model_config_classes_unimported():
     code = ("import sys, pathlib; from tokenmill.engine.tokenizer import load_transformers_tokenizer; "
             f"load_transformers_tokenizer(pathlib.Path({str(cached_tiny_model('tiny-llama'))!r})); "

@@ -7,6 +7,8 @@ import shutil
 import time
 from types import SimpleNamespace
 
+import pytest
+
 from tests.worker_helpers import start_worker_process, stop_process, worker_command
 from tokenmill.kafka.local_broker import free_port
 
@@ -28,6 +30,7 @@ def _at(event: dict) -> datetime.datetime:
     return datetime.datetime.fromisoformat(event["timestamp"])
 
 
+@pytest.mark.slow
 def test_the_model_loads_while_the_worker_waits_for_its_broker(tiny_llama_dir, tmp_path):
     log = tmp_path / "worker.log"
     proc = start_worker_process(worker_command(f"127.0.0.1:{free_port()}", NO_TOPICS, tiny_llama_dir,
@@ -43,6 +46,7 @@ def test_the_model_loads_while_the_worker_waits_for_its_broker(tiny_llama_dir, t
     assert waits and _at(waits[0]) < _at(loaded), "the model loaded before the first try to connect"
 
 
+@pytest.mark.slow
 def test_a_model_that_fails_to_load_ends_the_wait_for_the_broker(tiny_llama_dir, tmp_path):
     model = tmp_path / "corrupt-model"
     shutil.copytree(tiny_llama_dir, model)
