@@ -6,6 +6,7 @@
   set here, before test modules import kernels (the CPU has no other way to run them).
 """
 
+import gc
 import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -18,9 +19,19 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 if os.environ.get("TOKENMILL_TEST_CUDA") != "1":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import pytest  # noqa: E402
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def _thaw_the_heap():
+    """A command or bench run inside a test freezes the heap as its own process would
+    (worker/engine/heap.py); this process goes on to other tests, so the frozen objects go back to
+    the garbage collector after each test."""
+    yield
+    gc.unfreeze()
 
 # Fixture modules, one per concern (kept apart so they can grow independently).
 pytest_plugins = [

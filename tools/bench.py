@@ -160,8 +160,14 @@ def run_bench(
     `repeats` is the structured and features workloads' number of timed pairs of passes (per feature);
     `workload_options` go to the score workload's run_score (context_len, continuation_len,
     memory_tokens, threads)."""
-    report = _workload_report(workload, model, num_requests=num_requests, seed=seed, engine_options=engine_options,
-                              full_sweep=full_sweep, repeats=repeats, workload_options=workload_options)
+    from tokenmill.engine.heap import thaw
+
+    try:
+        report = _workload_report(workload, model, num_requests=num_requests, seed=seed,
+                                  engine_options=engine_options, full_sweep=full_sweep, repeats=repeats,
+                                  workload_options=workload_options)
+    finally:
+        thaw()  # the engines' start-up objects, frozen as each engine was made (new_engine), go back
     report.update(startup_fields())
     return report
 

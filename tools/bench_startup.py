@@ -84,9 +84,12 @@ def new_engine(config: Any) -> Any:
     """create_engine(config) (the backend the config names); the process's first one is the one
     startup_s ends at."""
     from tokenmill.engine import create_engine
+    from tokenmill.engine.heap import freeze_startup_heap
 
     engine = create_engine(config)
     _clock.engine_ready(engine)
+    # As the worker does with its engine (engine/heap.py); run_bench thaws at the end of the run.
+    freeze_startup_heap()
     return engine
 
 

@@ -1,12 +1,15 @@
 """The sampler's logprob parts on the CPU in C: each float32 logit row's logsumexp and its top-N
-logits with their ids, two passes over the row while it is in the cache (csrc/row_logprobs.c).
+logits with their ids, two passes over the row (csrc/row_logprobs.c): the top-N, whose first entry
+is the row's maximum, then the sum of e^x while the row is in the cache, the thread's next row asked
+into the cache meanwhile.
 
 Why: a step whose rows want logprobs needs every row's normaliser, a pass of e^x over the whole
 vocabulary, where a plain greedy row needs only its argmax. torch's exp and sum over 256 rows of
 32,000 logits took 14 ms on one core of a 2-core EPYC (AVX2), the top-N another 5: a quarter of a
-tiny-llama decode step (`bench --workload features`, `logprobs`). Here e^x is the fixed polynomial
-the batch-invariant GEMM uses (csrc/fixed_exp.h, within ~2 ulp of expf), and each row is one
-thread's, its sum in fixed lanes: a row's result depends on that row alone.
+tiny-llama decode step (`bench --workload features`, `logprobs`); here 5.7 ms, and greedy rows that
+all want logprobs take their argmax from the top-N (the sampler), so they make no argmax pass. e^x is
+the fixed polynomial the batch-invariant GEMM uses (csrc/fixed_exp.h, within ~2 ulp of expf), and
+each row is one thread's, its sum in fixed lanes: a row's result depends on that row alone.
 
 Rows whose maximum is not finite or that hold a NaN come back as NaN; the caller computes them with
 torch. The engine's `cpu_sampling` setting turns it off (with the draws of row_sample.py).

@@ -220,9 +220,14 @@ class KafkaWorker:
 
     async def _load_model(self) -> Engine:
         if self.engine is None:
+            from tokenmill.engine.heap import freeze_startup_heap
+
             t0 = time.monotonic()
             self.engine = await asyncio.to_thread(self._new_engine)
-            self.log.info("model loaded", seconds=round(time.monotonic() - t0, 2))
+            # This process serves this engine until it exits: its start-up objects leave the
+            # collector's full passes (engine/heap.py). An engine handed in is its owner's to manage.
+            frozen = freeze_startup_heap()
+            self.log.info("model loaded", seconds=round(time.monotonic() - t0, 2), frozen_objects=frozen)
         self.served_model_name = self.engine.served_model_name
         self.health.model_loaded = True
         return self.engine

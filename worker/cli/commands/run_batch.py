@@ -75,13 +75,18 @@ def run(args: argparse.Namespace) -> int:
     if found:
         return preflight.fail(PROG, found)
     from tokenmill.engine.checkpoint_files import CheckpointError
+    from tokenmill.engine.heap import freeze_startup_heap, thaw
     from tokenmill.storage.s3 import S3Error
 
     try:
         runner = build_runner(args)
     except (CheckpointError, S3Error, FileNotFoundError) as exc:  # what only the load itself could find
         return preflight.fail(PROG, [f"--model {args.model}: {exc}"])
-    summary = runner.run(args.input, args.output)
+    freeze_startup_heap()  # the engine's start-up objects leave the collector's full passes while it runs
+    try:
+        summary = runner.run(args.input, args.output)
+    finally:
+        thaw()
     print(
         f"run-batch: {summary['lines']} lines -> {summary['ok']} ok, {summary['error']} error, "
         f"{summary['expired']} expired; output {args.output}"
