@@ -352,8 +352,8 @@ class Sampler:
                                      self._uniforms([inputs[i] for i in rows]))
         if ids is None:
             return [], None
-        ok = (ids >= 0).tolist()
-        if not all(ok):
+        if bool((ids < 0).any()):
+            ok = (ids >= 0).tolist()
             rows = [r for r, good in zip(rows, ok, strict=True) if good]
             ids = ids[ids >= 0]
         return rows, ids

@@ -92,12 +92,12 @@ static float scale_and_max(const float *x, int64_t n, float t, float *z, int *na
 }
 
 /* The level-0 bucket range [lo, hi] that likely holds the top_p crossing (top_p_cutoff), and, filled by
-   fill_bracket's pass, the exact masses above it and inside it and the ids of the tokens inside it. A
+   fill_bracket's pass, the exact mass above it and the ids of the tokens inside it. A
    token's level-0 bucket is bucket_of's, trunc((m - z) 256) (offset 0 subtracts nothing): above the
    bracket exactly where (m - z) 256 < lo, inside it where that is not so and (m - z) 256 < hi + 1. */
 typedef struct {
     int32_t lo, hi;
-    double above, inside;
+    double above;
     int32_t *ids; /* room for n + 8: eight are stored at a time */
     int64_t count;
 } Bracket;
@@ -165,54 +165,44 @@ static double exp_and_sum(const float *z, int64_t n, float m, float *w, const fl
     return total + (double)tail;
 }
 
-/* Fills the bracket's masses (8 float lanes each, in order, reduced in double) and ids: one pass. */
+/* Fills the bracket's mass above it (8 float lanes, in order, reduced in double) and its ids: one pass. */
 static void fill_bracket(const float *z, const float *w, int64_t n, float m, Bracket *br) {
-    float acc_above[8] = {0}, acc_inside[8] = {0};
+    float acc_above[8] = {0};
     const float lo_f = (float)br->lo, end_f = (float)(br->hi + 1);
     int64_t i = 0, found = 0;
 #ifdef HAVE_AVX2_FMA
     const __m256 mv = _mm256_set1_ps(m), sv = _mm256_set1_ps(256.0f), lov = _mm256_set1_ps(lo_f),
                  endv = _mm256_set1_ps(end_f);
-    __m256 above = _mm256_setzero_ps(), inside = _mm256_setzero_ps();
+    __m256 above = _mm256_setzero_ps();
     for (; i + 8 <= n; i += 8) {
         const __m256 d = _mm256_mul_ps(_mm256_sub_ps(mv, _mm256_loadu_ps(z + i)), sv);
         const __m256 e = _mm256_loadu_ps(w + i);
         const __m256 is_above = _mm256_cmp_ps(d, lov, _CMP_LT_OQ);
         const __m256 is_in = _mm256_andnot_ps(is_above, _mm256_cmp_ps(d, endv, _CMP_LT_OQ));
         above = _mm256_add_ps(above, _mm256_and_ps(e, is_above));
-        inside = _mm256_add_ps(inside, _mm256_and_ps(e, is_in));
         found += pack_ids(br->ids + found, _mm256_movemask_ps(is_in), i);
     }
     _mm256_storeu_ps(acc_above, above);
-    _mm256_storeu_ps(acc_inside, inside);
 #else
     for (; i + 8 <= n; i += 8)
         for (int j = 0; j < 8; ++j) {
             const float d = (m - z[i + j]) * 256.0f;
-            if (d < lo_f) {
+            if (d < lo_f)
                 acc_above[j] += w[i + j];
-            } else if (d < end_f) {
-                acc_inside[j] += w[i + j];
+            else if (d < end_f)
                 br->ids[found++] = (int32_t)(i + j);
-            }
         }
 #endif
-    double s_above = 0.0, s_inside = 0.0;
-    for (int j = 0; j < 8; ++j) {
-        s_above += (double)acc_above[j];
-        s_inside += (double)acc_inside[j];
-    }
+    double s_above = 0.0;
+    for (int j = 0; j < 8; ++j) s_above += (double)acc_above[j];
     for (; i < n; ++i) {
         const float d = (m - z[i]) * 256.0f;
-        if (d < lo_f) {
+        if (d < lo_f)
             s_above += (double)w[i];
-        } else if (d < end_f) {
-            s_inside += (double)w[i];
+        else if (d < end_f)
             br->ids[found++] = (int32_t)i;
-        }
     }
     br->above = s_above;
-    br->inside = s_inside;
     br->count = found;
 }
 
@@ -386,7 +376,7 @@ static float top_p_cutoff(const float *z, const float *w, int64_t n, float m, do
         int32_t from = -1, to = -1;
         double before = 0.0;
         int64_t count = 0;
-        if (br->above < target && br->above + br->inside >= target) {
+        if (br->above < target) { /* in the bracket, or below it: then its histogram falls short */
             from = br->lo, to = br->hi, before = br->above, count = br->count;
             if (br->ids != ids) memcpy(ids, br->ids, (size_t)count * sizeof(int32_t));
         } else if (br->above >= target && br->lo > 0) {
@@ -495,7 +485,7 @@ void rs_sample_rows(const float *x, int64_t ld, const int64_t *rows_idx, int64_t
             const float m = scale_and_max(x + rows_idx[r] * ld, n, temps[r], z, &nan);
             if (nan || !isfinite(m)) continue;
             /* A bracket for the top_p cut, from a sample of the row, filled after the pass of e^x. */
-            Bracket bracket = {.lo = 0, .hi = BUCKETS - 1, .above = 0.0, .inside = 0.0, .ids = ids, .count = 0};
+            Bracket bracket = {.lo = 0, .hi = BUCKETS - 1, .above = 0.0, .ids = ids, .count = 0};
             const int use_bracket = top_ps[r] < 1.0f && n >= BRACKET_MIN_TOKENS;
             if (use_bracket) sampled_bracket(z, n, m, (double)top_ps[r], hist, &bracket.lo, &bracket.hi);
             Bracket *br = use_bracket && bracket.hi < BUCKETS - 1 ? &bracket : NULL;
