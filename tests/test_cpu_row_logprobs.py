@@ -127,3 +127,23 @@ def test_an_engine_with_cpu_sampling_off_gives_the_same_tokens_and_logprobs_with
     assert {rid: ids for rid, (ids, _) in on.items()} == {rid: ids for rid, (ids, _) in off.items()}
     for rid, (_, logprobs) in on.items():
         assert logprobs == pytest.approx(off[rid][1], abs=2e-5)
+
+
+def test_a_rows_logprobs_have_the_same_bits_whether_its_step_takes_the_fused_argmax_or_not():
+    """A step whose greedy rows all want logprobs takes their argmax from the kernel's top-N; a step
+    with one row that wants none takes greedy_argmax and the kernel after. A row's token and every
+    logprob must not depend on which: batch invariance."""
+    x = _logits(16, 4000, seed=9)
+    x[2, [5, 77]] = x[2].max() + 0.5  # a tie for the maximum
+    def inputs(none_at: int | None):
+        return [SamplingInputs(params=SamplingParams(max_tokens=4, temperature=0.0,
+                                                     logprobs=None if i == none_at else 3),
+                               prompt_token_ids=[1], output_token_ids=[], eos_token_ids=[0]) for i in range(16)]
+    fused = Sampler(seed=0, cpu_kernels=True)(x.clone(), inputs(None))
+    split = Sampler(seed=0, cpu_kernels=True)(x.clone(), inputs(15))
+    alone = [Sampler(seed=0, cpu_kernels=True)(x[r : r + 1].clone(), inputs(None)[:1])[0] for r in range(15)]
+    for r in range(15):
+        assert fused[r].token_id == split[r].token_id == alone[r].token_id
+        assert fused[r].logprob == split[r].logprob == alone[r].logprob  # bits, not rounding
+        assert fused[r].top_logprobs == split[r].top_logprobs == alone[r].top_logprobs
+    assert fused[2].token_id == 5
