@@ -147,3 +147,7 @@ def test_a_rows_logprobs_have_the_same_bits_whether_its_step_takes_the_fused_arg
         assert fused[r].logprob == split[r].logprob == alone[r].logprob  # bits, not rounding
         assert fused[r].top_logprobs == split[r].top_logprobs == alone[r].top_logprobs
     assert fused[2].token_id == 5
+
+
+def test_a_step_with_no_rows_samples_nothing():
+    assert Sampler(seed=0, cpu_kernels=True)(torch.empty(0, 300), []) == []

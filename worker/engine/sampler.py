@@ -396,11 +396,12 @@ class Sampler:
         """Plain greedy rows that all want logprobs, on the C kernel: each row's top-1 is its argmax
         (lowest id on ties, as greedy_argmax), so the pass the argmax would make over every logit is
         saved. None where the kernel does not apply or a row is not finite (the caller's path)."""
-        if not (self.cpu_kernels and logits.is_cpu) or any(inp.params.logprobs is None for inp in inputs):
+        if (not inputs or not (self.cpu_kernels and logits.is_cpu)
+                or any(inp.params.logprobs is None for inp in inputs)):
             return None
         from tokenmill.kernels.cpu import row_logprobs
 
-        top_n = max(1, *(inp.params.logprobs or 0 for inp in inputs))
+        top_n = max([1, *(inp.params.logprobs or 0 for inp in inputs)])
         parts = row_logprobs.logprob_parts(logits, top_n)
         if parts is None or bool(torch.isnan(parts[0]).any()):
             return None
