@@ -95,7 +95,9 @@ def _on_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor
     return _upload(torch.tensor(values, dtype=dtype), torch.device(device))
 
 
-def _splitmix64(x: int) -> int:
+def _splitmix64(x):
+    """SplitMix64's output function of an int, or of each uint64 of an array (numpy's uint64
+    arithmetic wraps modulo 2**64 as the masks do, so both give the same bits)."""
     x = (x + 0x9E3779B97F4A7C15) & _MASK64
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
@@ -107,20 +109,12 @@ def seeded_uniform(seed: int, step: int) -> float:
     return (_splitmix64(_splitmix64(seed & _MASK64) ^ (step & _MASK64)) >> 11) * (1.0 / (1 << 53))
 
 
-def _splitmix64_array(x: np.ndarray) -> np.ndarray:
-    """_splitmix64 of each uint64: numpy's uint64 arithmetic wraps modulo 2**64, as the masks do."""
-    x = x + np.uint64(0x9E3779B97F4A7C15)
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
-
-
 def seeded_uniforms(seeds: Sequence[int], steps: Sequence[int]) -> torch.Tensor:
     """float64 [len(seeds)]: seeded_uniform of each (seed, step), the same bits, in one vectorised
     pass (a 256-row step's uniforms one at a time in Python took about 0.9 ms)."""
     s = np.array([seed & _MASK64 for seed in seeds], dtype=np.uint64)
     t = np.array([step & _MASK64 for step in steps], dtype=np.uint64)
-    bits = _splitmix64_array(_splitmix64_array(s) ^ t) >> np.uint64(11)  # below 2**53: exact in float64
+    bits = _splitmix64(_splitmix64(s) ^ t) >> 11  # below 2**53: exact in float64
     return torch.from_numpy(bits.astype(np.float64) * (1.0 / (1 << 53)))
 
 
