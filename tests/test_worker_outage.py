@@ -253,7 +253,11 @@ def test_a_worker_gives_up_on_a_missing_broker_after_the_wait_timeout(tiny_llama
     waits = _log_lines(log, "no broker reachable yet; waiting")
     assert len(waits) >= 3  # backoff: 0.5, 1, 2, 4 s ...
     first = datetime.datetime.fromisoformat(waits[0]["timestamp"])
-    assert (ended - first).total_seconds() < 6 + 5, "gave up well after the wait timeout"
+    # The decision is timed from the worker's own log line; the process's exit after it (closing the
+    # engine, the interpreter's teardown) is timed loosely, as a loaded machine can slow it.
+    gave_up = datetime.datetime.fromisoformat(_log_lines(log, "worker stopping on error")[0]["timestamp"])
+    assert (gave_up - first).total_seconds() < 6 + 2, "gave up well after the wait timeout"
+    assert (ended - gave_up).total_seconds() < 30, "exited long after giving up"
 
 
 @pytest.fixture(scope="module")
