@@ -60,34 +60,40 @@ typedef struct {
     float w;
 } Entry;
 
-/* z = x / t into z, returns max z; *nan set where the row holds a NaN. */
-static float scale_and_max(const float *x, int64_t n, float t, float *z, int *nan) {
+/* z = x / t into z, returns max z; *nan set where the row holds a NaN, *ninf where it holds a -inf (a
+   masked id). */
+static float scale_and_max(const float *x, int64_t n, float t, float *z, int *nan, int *ninf) {
     float m = -INFINITY;
-    int bad = 0;
+    int bad = 0, low = 0;
     int64_t i = 0;
 #ifdef HAVE_AVX2_FMA
     if (n >= 8) {
         const __m256 tv = _mm256_set1_ps(t);
-        __m256 mv = _mm256_set1_ps(-INFINITY), badv = _mm256_setzero_ps();
+        const __m256 ninfv = _mm256_set1_ps(-INFINITY);
+        __m256 mv = ninfv, badv = _mm256_setzero_ps(), minv = _mm256_setzero_ps();
         for (; i + 8 <= n; i += 8) {
             const __m256 v = _mm256_div_ps(_mm256_loadu_ps(x + i), tv);
             _mm256_storeu_ps(z + i, v);
             badv = _mm256_or_ps(badv, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+            minv = _mm256_min_ps(minv, v);
             mv = _mm256_max_ps(mv, v);
         }
         float lanes[8];
         _mm256_storeu_ps(lanes, mv);
         for (int j = 0; j < 8; ++j) m = lanes[j] > m ? lanes[j] : m;
         bad = _mm256_movemask_ps(badv) != 0;
+        low = _mm256_movemask_ps(_mm256_cmp_ps(minv, ninfv, _CMP_EQ_OQ)) != 0;
     }
 #endif
     for (; i < n; ++i) {
         const float v = x[i] / t;
         z[i] = v;
         bad |= v != v;
+        low |= v == -INFINITY;
         m = v > m ? v : m;
     }
     *nan = bad;
+    *ninf = low;
     return m;
 }
 
@@ -125,9 +131,30 @@ static inline int64_t pack_ids(int32_t *out, int bits, int64_t i) {
 }
 #endif
 
-/* w = e^(z - m) into w; returns their sum (the lanes as the header says). `next` (or NULL): the logits
-   of the row this thread takes next, asked into the cache meanwhile (PREFETCH). */
-static double exp_and_sum(const float *z, int64_t n, float m, float *w, const float *next) {
+#ifdef HAVE_AVX2_FMA
+/* exp_vector's e^d for d <= 0 (or -inf), every bit the same: its clamp at EXP_HI changes nothing there. */
+static inline __m256 exp_nonpositive(__m256 d) {
+    d = _mm256_max_ps(d, _mm256_set1_ps(EXP_LO));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(d, _mm256_set1_ps(LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_HI), d);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_LO), r);
+    __m256 y = _mm256_set1_ps(P0);
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(P1));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(P2));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(P3));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(P4));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(P5));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
+}
+#endif
+
+/* w = e^(z - m) into w; returns their sum (the lanes as the header says). `masked`: the row holds a
+   -inf logit (a masked id), which weighs exactly 0, not the clamped exp's e^-87; a row without one
+   skips that test. `next` (or NULL): the logits of the row this thread takes next, asked into the
+   cache meanwhile (PREFETCH). */
+static double exp_and_sum(const float *z, int64_t n, float m, float *w, int masked, const float *next) {
     float acc[LANES];
     for (int j = 0; j < LANES; ++j) acc[j] = 0.0f;
     const int64_t full = n - n % LANES;
@@ -135,18 +162,29 @@ static double exp_and_sum(const float *z, int64_t n, float m, float *w, const fl
 #ifdef HAVE_AVX2_FMA
     const __m256 mv = _mm256_set1_ps(m), ninf = _mm256_set1_ps(-INFINITY);
     __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-    for (; i < full; i += LANES) {
-        if (next) PREFETCH(next + i);
-        for (int q = 0; q < 4; ++q) {
-            const __m256 zv = _mm256_loadu_ps(z + i + 8 * q);
-            /* a -inf logit (masked) weighs exactly 0, not the clamped exp's e^-87 */
-            const __m256 e = _mm256_and_ps(exp_vector(_mm256_sub_ps(zv, mv)), _mm256_cmp_ps(zv, ninf, _CMP_NEQ_OQ));
-            _mm256_storeu_ps(w + i + 8 * q, e);
-            a[q] = _mm256_add_ps(a[q], e);
+    if (masked) {
+        for (; i < full; i += LANES) {
+            if (next) PREFETCH(next + i);
+            for (int q = 0; q < 4; ++q) {
+                const __m256 zv = _mm256_loadu_ps(z + i + 8 * q);
+                const __m256 e = _mm256_and_ps(exp_nonpositive(_mm256_sub_ps(zv, mv)), _mm256_cmp_ps(zv, ninf, _CMP_NEQ_OQ));
+                _mm256_storeu_ps(w + i + 8 * q, e);
+                a[q] = _mm256_add_ps(a[q], e);
+            }
+        }
+    } else {
+        for (; i < full; i += LANES) {
+            if (next) PREFETCH(next + i);
+            for (int q = 0; q < 4; ++q) {
+                const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(z + i + 8 * q), mv));
+                _mm256_storeu_ps(w + i + 8 * q, e);
+                a[q] = _mm256_add_ps(a[q], e);
+            }
         }
     }
     for (int q = 0; q < 4; ++q) _mm256_storeu_ps(acc + 8 * q, a[q]);
 #else
+    (void)masked; /* the scalar code tests each logit */
     for (; i < full; i += LANES) {
         if (next) PREFETCH(next + i);
         for (int j = 0; j < LANES; ++j) {
@@ -481,8 +519,8 @@ void rs_sample_rows(const float *x, int64_t ld, const int64_t *rows_idx, int64_t
         for (int64_t r = 0; r < count; ++r) {
             out_ids[r] = -1;
             if (!ok) continue;
-            int nan = 0;
-            const float m = scale_and_max(x + rows_idx[r] * ld, n, temps[r], z, &nan);
+            int nan = 0, masked = 0;
+            const float m = scale_and_max(x + rows_idx[r] * ld, n, temps[r], z, &nan, &masked);
             if (nan || !isfinite(m)) continue;
             /* A bracket for the top_p cut, from a sample of the row, filled after the pass of e^x. */
             Bracket bracket = {.lo = 0, .hi = BUCKETS - 1, .above = 0.0, .ids = ids, .count = 0};
@@ -491,7 +529,7 @@ void rs_sample_rows(const float *x, int64_t ld, const int64_t *rows_idx, int64_t
             Bracket *br = use_bracket && bracket.hi < BUCKETS - 1 ? &bracket : NULL;
             /* the thread's next row under the static schedule: the next one, where it is this thread's */
             const float *next = r + 1 < count ? x + rows_idx[r + 1] * ld : NULL;
-            const double total = exp_and_sum(z, n, m, w, next);
+            const double total = exp_and_sum(z, n, m, w, masked, next);
             if (br) fill_bracket(z, w, n, m, br);
             float cutoff = -INFINITY;
             if (top_ps[r] < 1.0f) cutoff = top_p_cutoff(z, w, n, m, (double)top_ps[r] * total, br, hist, idx, ids, entries);
