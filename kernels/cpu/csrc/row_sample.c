@@ -3,8 +3,8 @@
    over the row while it is in the cache.
 
    For a row x of n logits, temperature t, top_p p and a uniform u in [0, 1):
-   1. z = x / t (IEEE division, as torch's), m = max z, w = e^(z - m) (fixed_exp.h), S = sum of w
-      (32 float lanes in order, reduced in double).
+   1. z = x (1/t) (1/t rounded to float32, then an IEEE product, as the torch path's), m = max z,
+      w = e^(z - m) (fixed_exp.h), S = sum of w (32 float lanes in order, reduced in double).
    2. top_p < 1: the smallest z kept is that of the last token, in descending order, whose preceding
       mass is below p S. The mass is gathered by z into buckets of 1/256 nat below m (the last bucket
       takes everything from 8 nats down, a second level below it), the bucket where the mass crosses
@@ -60,7 +60,7 @@ typedef struct {
     float w;
 } Entry;
 
-/* z = x / t into z, returns max z; *nan set where the row holds a NaN, *ninf where it holds a -inf (a
+/* z = x (1/t) into z, returns max z; *nan set where the row holds a NaN, *ninf where it holds a -inf (a
    masked id). */
 static float scale_and_max(const float *x, int64_t n, float t, float *z, int *nan, int *ninf) {
     float m = -INFINITY;
@@ -68,11 +68,11 @@ static float scale_and_max(const float *x, int64_t n, float t, float *z, int *na
     int64_t i = 0;
 #ifdef HAVE_AVX2_FMA
     if (n >= 8) {
-        const __m256 tv = _mm256_set1_ps(t);
+        const __m256 tv = _mm256_set1_ps(1.0f / t);
         const __m256 ninfv = _mm256_set1_ps(-INFINITY);
         __m256 mv = ninfv, badv = _mm256_setzero_ps(), minv = _mm256_setzero_ps();
         for (; i + 8 <= n; i += 8) {
-            const __m256 v = _mm256_div_ps(_mm256_loadu_ps(x + i), tv);
+            const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(x + i), tv);
             _mm256_storeu_ps(z + i, v);
             badv = _mm256_or_ps(badv, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
             minv = _mm256_min_ps(minv, v);
@@ -86,7 +86,7 @@ static float scale_and_max(const float *x, int64_t n, float t, float *z, int *na
     }
 #endif
     for (; i < n; ++i) {
-        const float v = x[i] / t;
+        const float v = x[i] * (1.0f / t);
         z[i] = v;
         bad |= v != v;
         low |= v == -INFINITY;
