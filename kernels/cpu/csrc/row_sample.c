@@ -203,27 +203,37 @@ static double exp_and_sum(const float *z, int64_t n, float m, float *w, int mask
     return total + (double)tail;
 }
 
-/* Fills the bracket's mass above it (8 float lanes, in order, reduced in double) and its ids: one pass. */
+/* The sum of LANES float lanes of partial sums (four vectors of 8): the four added in float, pairwise,
+   then their 8 lanes in double. A short chain: kept_sum runs it for every block of a row. */
+static inline double lanes_total(const float *acc) {
+    double s = 0.0;
+    for (int j = 0; j < 8; ++j) s += (double)((acc[j] + acc[8 + j]) + (acc[16 + j] + acc[24 + j]));
+    return s;
+}
+
+/* Fills the bracket's mass above it (LANES float lanes, in order, reduced by lanes_total: four chains
+   of adds, not one that each vector waits on) and its ids: one pass. */
 static void fill_bracket(const float *z, const float *w, int64_t n, float m, Bracket *br) {
-    float acc_above[8] = {0};
+    float acc_above[LANES] = {0};
     const float lo_f = (float)br->lo, end_f = (float)(br->hi + 1);
     int64_t i = 0, found = 0;
 #ifdef HAVE_AVX2_FMA
     const __m256 mv = _mm256_set1_ps(m), sv = _mm256_set1_ps(256.0f), lov = _mm256_set1_ps(lo_f),
                  endv = _mm256_set1_ps(end_f);
-    __m256 above = _mm256_setzero_ps();
-    for (; i + 8 <= n; i += 8) {
-        const __m256 d = _mm256_mul_ps(_mm256_sub_ps(mv, _mm256_loadu_ps(z + i)), sv);
-        const __m256 e = _mm256_loadu_ps(w + i);
-        const __m256 is_above = _mm256_cmp_ps(d, lov, _CMP_LT_OQ);
-        const __m256 is_in = _mm256_andnot_ps(is_above, _mm256_cmp_ps(d, endv, _CMP_LT_OQ));
-        above = _mm256_add_ps(above, _mm256_and_ps(e, is_above));
-        found += pack_ids(br->ids + found, _mm256_movemask_ps(is_in), i);
-    }
-    _mm256_storeu_ps(acc_above, above);
+    __m256 above[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (; i + LANES <= n; i += LANES)
+        for (int q = 0; q < 4; ++q) {
+            const __m256 d = _mm256_mul_ps(_mm256_sub_ps(mv, _mm256_loadu_ps(z + i + 8 * q)), sv);
+            const __m256 e = _mm256_loadu_ps(w + i + 8 * q);
+            const __m256 is_above = _mm256_cmp_ps(d, lov, _CMP_LT_OQ);
+            const __m256 is_in = _mm256_andnot_ps(is_above, _mm256_cmp_ps(d, endv, _CMP_LT_OQ));
+            above[q] = _mm256_add_ps(above[q], _mm256_and_ps(e, is_above));
+            found += pack_ids(br->ids + found, _mm256_movemask_ps(is_in), i + 8 * q);
+        }
+    for (int q = 0; q < 4; ++q) _mm256_storeu_ps(acc_above + 8 * q, above[q]);
 #else
-    for (; i + 8 <= n; i += 8)
-        for (int j = 0; j < 8; ++j) {
+    for (; i + LANES <= n; i += LANES)
+        for (int j = 0; j < LANES; ++j) {
             const float d = (m - z[i + j]) * 256.0f;
             if (d < lo_f)
                 acc_above[j] += w[i + j];
@@ -231,8 +241,7 @@ static void fill_bracket(const float *z, const float *w, int64_t n, float m, Bra
                 br->ids[found++] = (int32_t)(i + j);
         }
 #endif
-    double s_above = 0.0;
-    for (int j = 0; j < 8; ++j) s_above += (double)acc_above[j];
+    double s_above = lanes_total(acc_above);
     for (; i < n; ++i) {
         const float d = (m - z[i]) * 256.0f;
         if (d < lo_f)
@@ -341,43 +350,57 @@ static float top_p_cutoff_full(const float *z, const float *w, int64_t n, float 
 
 /* The level-0 buckets [*lo, *hi] where the mass of a sample of the row, from the top, crosses the
    fraction p of the sample's, BRACKET_MARGIN of it either side. The sample: SAMPLE_RUN consecutive
-   tokens every SAMPLE_EVERY (token ids carry no order of logits), weighed with the same e^x. */
-static void sampled_bracket(const float *z, int64_t n, float m, double p, double *hist, int32_t *lo, int32_t *hi) {
-    memset(hist, 0, BUCKETS * sizeof(double));
-    double sampled = 0.0, lanes[SAMPLE_RUN] = {0};
-    for (int64_t k = 0; k + SAMPLE_RUN <= n; k += SAMPLE_EVERY) {
-        float w8[SAMPLE_RUN];
-        int32_t b8[SAMPLE_RUN];
+   tokens every SAMPLE_EVERY (token ids carry no order of logits), weighed with the same e^x. Its
+   weights and buckets go to sample_w and sample_b (room for sample_size(n)) and are added into the
+   histogram (floats: the bracket is an estimate) after the pass: a scalar load of a lane just
+   stored as a vector waits for the store, which cost a quarter of this function. */
+static void sampled_bracket(const float *z, int64_t n, float m, double p, float *hist, float *sample_w,
+                            int32_t *sample_b, int32_t *lo, int32_t *hi) {
+    memset(hist, 0, BUCKETS * sizeof(float));
+    float lanes[SAMPLE_RUN] = {0};
+    int64_t count = 0;
 #ifdef HAVE_AVX2_FMA
-        const __m256 zv = _mm256_loadu_ps(z + k), mv = _mm256_set1_ps(m);
-        _mm256_storeu_ps(w8, _mm256_and_ps(exp_vector(_mm256_sub_ps(zv, mv)),
-                                           _mm256_cmp_ps(zv, _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ)));
+    const __m256 mv = _mm256_set1_ps(m);
+    __m256 acc = _mm256_setzero_ps();
+#endif
+    for (int64_t k = 0; k + SAMPLE_RUN <= n; k += SAMPLE_EVERY, count += SAMPLE_RUN) {
+#ifdef HAVE_AVX2_FMA
+        const __m256 zv = _mm256_loadu_ps(z + k);
+        const __m256 e = _mm256_and_ps(exp_nonpositive(_mm256_sub_ps(zv, mv)),
+                                       _mm256_cmp_ps(zv, _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ));
+        _mm256_storeu_ps(sample_w + count, e);
+        acc = _mm256_add_ps(acc, e);
         /* bucket_of's operations at level 0 (-inf: +inf, the last bucket) */
-        _mm256_storeu_si256((__m256i *)b8, _mm256_cvttps_epi32(_mm256_min_ps(
+        _mm256_storeu_si256((__m256i *)(sample_b + count), _mm256_cvttps_epi32(_mm256_min_ps(
             _mm256_mul_ps(_mm256_sub_ps(mv, zv), _mm256_set1_ps(256.0f)), _mm256_set1_ps((float)(BUCKETS - 1)))));
 #else
         for (int j = 0; j < SAMPLE_RUN; ++j) {
-            w8[j] = z[k + j] == -INFINITY ? 0.0f : exp_scalar(z[k + j] - m);
-            b8[j] = bucket_of(z[k + j], m, 0.0f, 256.0f, BUCKETS - 1);
+            sample_w[count + j] = z[k + j] == -INFINITY ? 0.0f : exp_scalar(z[k + j] - m);
+            sample_b[count + j] = bucket_of(z[k + j], m, 0.0f, 256.0f, BUCKETS - 1);
+            lanes[j] += sample_w[count + j];
         }
 #endif
-        for (int j = 0; j < SAMPLE_RUN; ++j) {
-            hist[b8[j]] += (double)w8[j];
-            lanes[j] += (double)w8[j]; /* a chain per lane, not one long chain of adds */
-        }
     }
-    for (int j = 0; j < SAMPLE_RUN; ++j) sampled += lanes[j];
+#ifdef HAVE_AVX2_FMA
+    _mm256_storeu_ps(lanes, acc);
+#endif
+    for (int64_t c = 0; c < count; ++c) hist[sample_b[c]] += sample_w[c];
+    double sampled = 0.0;
+    for (int j = 0; j < SAMPLE_RUN; ++j) sampled += (double)lanes[j];
     const double from = (p - BRACKET_MARGIN) * sampled, to = (p + BRACKET_MARGIN) * sampled;
     double mass = 0.0;
     int32_t b = 0;
     for (; b < BUCKETS - 1; ++b) { /* the first bucket whose mass, with the ones above, reaches `from` */
-        mass += hist[b];
+        mass += (double)hist[b];
         if (mass >= from) break;
     }
     *lo = b;
-    while (b < BUCKETS - 1 && mass < to) mass += hist[++b];
+    while (b < BUCKETS - 1 && mass < to) mass += (double)hist[++b];
     *hi = b;
 }
+
+/* Room sampled_bracket needs for the sample of a row of n tokens. */
+static int64_t sample_size(int64_t n) { return (n / SAMPLE_EVERY + 1) * SAMPLE_RUN; }
 
 /* The ids, in order, of the tokens in level-0 buckets [lo, hi] into out (room for n + 8); their count. */
 static int64_t gather_range(const float *z, int64_t n, float m, int32_t lo, int32_t hi, int32_t *out) {
@@ -435,22 +458,24 @@ static float top_p_cutoff(const float *z, const float *w, int64_t n, float m, do
     return top_p_cutoff_full(z, w, n, m, target, hist, idx, ids, entries);
 }
 
-/* The kept weight of ids [begin, end): w where z >= cutoff, summed in 8 float lanes in order. */
+/* The kept weight of ids [begin, end): w where z >= cutoff, summed in LANES float lanes in order (four
+   chains of adds), reduced by lanes_total. */
 static double kept_sum(const float *z, const float *w, int64_t begin, int64_t end, float cutoff) {
-    float acc[8] = {0};
+    float acc[LANES] = {0};
     int64_t i = begin;
 #ifdef HAVE_AVX2_FMA
-    __m256 a = _mm256_setzero_ps();
+    __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     const __m256 cv = _mm256_set1_ps(cutoff);
-    for (; i + 8 <= end; i += 8)
-        a = _mm256_add_ps(a, _mm256_and_ps(_mm256_loadu_ps(w + i), _mm256_cmp_ps(_mm256_loadu_ps(z + i), cv, _CMP_GE_OQ)));
-    _mm256_storeu_ps(acc, a);
+    for (; i + LANES <= end; i += LANES)
+        for (int q = 0; q < 4; ++q)
+            a[q] = _mm256_add_ps(a[q], _mm256_and_ps(_mm256_loadu_ps(w + i + 8 * q),
+                                                     _mm256_cmp_ps(_mm256_loadu_ps(z + i + 8 * q), cv, _CMP_GE_OQ)));
+    for (int q = 0; q < 4; ++q) _mm256_storeu_ps(acc + 8 * q, a[q]);
 #else
-    for (; i + 8 <= end; i += 8)
-        for (int j = 0; j < 8; ++j) acc[j] += z[i + j] >= cutoff ? w[i + j] : 0.0f;
+    for (; i + LANES <= end; i += LANES)
+        for (int j = 0; j < LANES; ++j) acc[j] += z[i + j] >= cutoff ? w[i + j] : 0.0f;
 #endif
-    double s = 0.0;
-    for (int j = 0; j < 8; ++j) s += (double)acc[j];
+    double s = lanes_total(acc);
     for (; i < end; ++i) s += z[i] >= cutoff ? (double)w[i] : 0.0;
     return s;
 }
@@ -512,7 +537,9 @@ void rs_sample_rows(const float *x, int64_t ld, const int64_t *rows_idx, int64_t
         int32_t *idx = malloc((size_t)n * sizeof(int32_t));
         int32_t *ids = malloc((size_t)(n + 8) * sizeof(int32_t)); /* gather_range writes 8 at a time */
         double *block_sums = malloc((size_t)((n + BLOCK - 1) / BLOCK) * sizeof(double));
-        const int ok = z && w && hist && entries && idx && ids && block_sums;
+        float *sample_w = malloc((size_t)sample_size(n) * sizeof(float));
+        int32_t *sample_b = malloc((size_t)sample_size(n) * sizeof(int32_t));
+        const int ok = z && w && hist && entries && idx && ids && block_sums && sample_w && sample_b;
 #ifdef _OPENMP
 #pragma omp for schedule(static)
 #endif
@@ -525,7 +552,8 @@ void rs_sample_rows(const float *x, int64_t ld, const int64_t *rows_idx, int64_t
             /* A bracket for the top_p cut, from a sample of the row, filled after the pass of e^x. */
             Bracket bracket = {.lo = 0, .hi = BUCKETS - 1, .above = 0.0, .ids = ids, .count = 0};
             const int use_bracket = top_ps[r] < 1.0f && n >= BRACKET_MIN_TOKENS;
-            if (use_bracket) sampled_bracket(z, n, m, (double)top_ps[r], hist, &bracket.lo, &bracket.hi);
+            if (use_bracket)
+                sampled_bracket(z, n, m, (double)top_ps[r], (float *)hist, sample_w, sample_b, &bracket.lo, &bracket.hi);
             Bracket *br = use_bracket && bracket.hi < BUCKETS - 1 ? &bracket : NULL;
             /* the thread's next row under the static schedule: the next one, where it is this thread's */
             const float *next = r + 1 < count ? x + rows_idx[r + 1] * ld : NULL;
@@ -542,5 +570,7 @@ void rs_sample_rows(const float *x, int64_t ld, const int64_t *rows_idx, int64_t
         free(idx);
         free(ids);
         free(block_sums);
+        free(sample_w);
+        free(sample_b);
     }
 }
