@@ -218,12 +218,12 @@ static void fill_bracket(const float *z, const float *w, int64_t n, float m, Bra
     const float lo_f = (float)br->lo, end_f = (float)(br->hi + 1);
     int64_t i = 0, found = 0;
 #ifdef HAVE_AVX2_FMA
-    const __m256 mv = _mm256_set1_ps(m), sv = _mm256_set1_ps(256.0f), lov = _mm256_set1_ps(lo_f),
-                 endv = _mm256_set1_ps(end_f);
+    /* (m - z) 256 < lo exactly where m - z < lo / 256: the product by 256 and lo / 256 are exact */
+    const __m256 mv = _mm256_set1_ps(m), lov = _mm256_set1_ps(lo_f / 256.0f), endv = _mm256_set1_ps(end_f / 256.0f);
     __m256 above[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     for (; i + LANES <= n; i += LANES)
         for (int q = 0; q < 4; ++q) {
-            const __m256 d = _mm256_mul_ps(_mm256_sub_ps(mv, _mm256_loadu_ps(z + i + 8 * q)), sv);
+            const __m256 d = _mm256_sub_ps(mv, _mm256_loadu_ps(z + i + 8 * q));
             const __m256 e = _mm256_loadu_ps(w + i + 8 * q);
             const __m256 is_above = _mm256_cmp_ps(d, lov, _CMP_LT_OQ);
             const __m256 is_in = _mm256_andnot_ps(is_above, _mm256_cmp_ps(d, endv, _CMP_LT_OQ));
