@@ -13,8 +13,9 @@
       (top_p_cutoff). Every token with z at least that cutoff is kept (ties with the last kept one
       included), as the torch path keeps them.
    3. The draw: the first id, in id order, whose cumulative kept weight exceeds u times the kept
-      total; the sums of blocks of 256 ids find its block, a walk through the block finds the id.
-      Where u times the total rounds to the total, the last kept id.
+      total (the mass at or above the cut as step 2 summed it; S where nothing is cut); the sums of
+      blocks of 256 ids, from the first, find its block, a walk through the block finds the id.
+      Where u times the total is not passed (rounding), the last kept id.
    Masses are summed in double in a fixed order, so a row's draw depends on that row, its u and its
    settings alone. A row whose maximum is not finite or that holds a NaN gets -1 (the caller draws it
    with torch). */
@@ -312,17 +313,21 @@ static int64_t gather(const int32_t *ids, const int32_t *idx, int64_t count, int
 }
 
 /* The cut among the tokens ids[0..count-1] of the crossing bucket, `before` the mass above them: in
-   descending z, the z of the last token whose preceding mass is below target. */
+   descending z, the z of the last token whose preceding mass is below target. *kept: the mass of
+   every token at or above the cut (the ties with it included), summed as found. */
 static float cutoff_among(const float *z, const float *w, const int32_t *ids, int64_t count, double before,
-                          double target, Entry *entries) {
+                          double target, Entry *entries, double *kept) {
     for (int64_t k = 0; k < count; ++k) entries[k] = (Entry){z[ids[k]], w[ids[k]]};
     qsort(entries, (size_t)count, sizeof(Entry), by_z_descending);
     float cutoff = entries[0].z; /* the bucket's first token: its preceding mass is `before` < target */
-    for (int64_t k = 0; k < count; ++k) {
+    int64_t k = 0;
+    for (; k < count; ++k) {
         if (!(before < target)) break;
         cutoff = entries[k].z;
         before += (double)entries[k].w;
     }
+    for (; k < count && entries[k].z == cutoff; ++k) before += (double)entries[k].w; /* ties: kept too */
+    *kept = before;
     return cutoff;
 }
 
@@ -330,7 +335,7 @@ static float cutoff_among(const float *z, const float *w, const int32_t *ids, in
    kept. Level 0 covers 8 nats below the maximum at 256 buckets a nat; where the crossing lies further
    down (top_p close to 1), level 1 takes the tokens below, 8 to 72 nats down at 32 a nat. */
 static float top_p_cutoff_full(const float *z, const float *w, int64_t n, float m, double target, double *hist,
-                               int32_t *idx, int32_t *ids, Entry *entries) {
+                               int32_t *idx, int32_t *ids, Entry *entries, double *kept) {
     double before = 0.0;
     int32_t b = crossing_bucket(z, w, NULL, n, m, 0.0f, 256.0f, BUCKETS, target, &before, hist, idx);
     if (b < 0) return -INFINITY; /* p S not reached (p rounds to 1): keep all */
@@ -345,7 +350,7 @@ static float top_p_cutoff_full(const float *z, const float *w, int64_t n, float 
             before = at; /* beyond 72 nats: sort every token of level 0's last bucket (never met in practice) */
         }
     }
-    return cutoff_among(z, w, ids, count, before, target, entries);
+    return cutoff_among(z, w, ids, count, before, target, entries, kept);
 }
 
 /* The level-0 buckets [*lo, *hi] where the mass of a sample of the row, from the top, crosses the
@@ -432,7 +437,7 @@ static int64_t gather_range(const float *z, int64_t n, float m, int32_t lo, int3
    leaves the part's histogram short of the target, the full histogram decides. Every choice is made
    from the row alone, so the draw still depends on the row, its uniform and its settings alone. */
 static float top_p_cutoff(const float *z, const float *w, int64_t n, float m, double target, Bracket *br,
-                          double *hist, int32_t *idx, int32_t *ids, Entry *entries) {
+                          double *hist, int32_t *idx, int32_t *ids, Entry *entries, double *kept) {
     if (br) {
         int32_t from = -1, to = -1;
         double before = 0.0;
@@ -451,11 +456,11 @@ static float top_p_cutoff(const float *z, const float *w, int64_t n, float m, do
                                               buckets, target, &before, hist, idx);
             if (b >= 0) {
                 count = gather(ids, idx, count, b, ids); /* in place, as in the full search */
-                if (count > 0) return cutoff_among(z, w, ids, count, before, target, entries);
+                if (count > 0) return cutoff_among(z, w, ids, count, before, target, entries, kept);
             }
         }
     }
-    return top_p_cutoff_full(z, w, n, m, target, hist, idx, ids, entries);
+    return top_p_cutoff_full(z, w, n, m, target, hist, idx, ids, entries, kept);
 }
 
 /* The kept weight of ids [begin, end): w where z >= cutoff, summed in LANES float lanes in order (four
@@ -488,35 +493,30 @@ static int64_t last_kept_in(const float *z, const float *w, int64_t begin, int64
 }
 
 /* The draw of step 3 among the tokens with z >= cutoff (a kept token of weight 0, a masked one, is
-   never drawn). */
-static int64_t draw(const float *z, const float *w, int64_t n, float cutoff, double u, double *block_sums) {
-    const int64_t blocks = (n + BLOCK - 1) / BLOCK;
-    double total = 0.0;
-    for (int64_t k = 0; k < blocks; ++k) {
-        const int64_t end = (k + 1) * BLOCK < n ? (k + 1) * BLOCK : n;
-        block_sums[k] = kept_sum(z, w, k * BLOCK, end, cutoff);
-        total += block_sums[k];
-    }
-    const double target = u * total;
+   never drawn), whose mass is `kept` (the cut's search summed it): the blocks are summed from the
+   first until the target is passed, so a draw reads about u of the row, not all of it twice. */
+static int64_t draw(const float *z, const float *w, int64_t n, float cutoff, double u, double kept) {
+    const double target = u * kept;
     double before = 0.0;
-    for (int64_t k = 0; k < blocks; ++k) {
-        if (before + block_sums[k] > target) {
-            const int64_t end = (k + 1) * BLOCK < n ? (k + 1) * BLOCK : n;
-            for (int64_t i = k * BLOCK; i < end; ++i) {
+    for (int64_t begin = 0; begin < n; begin += BLOCK) {
+        const int64_t end = begin + BLOCK < n ? begin + BLOCK : n;
+        const double block = kept_sum(z, w, begin, end, cutoff);
+        if (before + block > target) {
+            for (int64_t i = begin; i < end; ++i) {
                 if (z[i] >= cutoff && w[i] > 0.0f) {
                     before += (double)w[i];
                     if (before > target) return i;
                 }
             }
             /* The block's sum crossed, its walk (summed per id) rounded short: its last kept id. */
-            return last_kept_in(z, w, k * BLOCK, end, cutoff);
+            return last_kept_in(z, w, begin, end, cutoff);
         }
-        before += block_sums[k];
+        before += block;
     }
-    /* u times the total rounded to the total: the last kept id, as the torch path takes. */
-    for (int64_t k = blocks - 1; k >= 0; --k) {
-        const int64_t end = (k + 1) * BLOCK < n ? (k + 1) * BLOCK : n;
-        const int64_t id = last_kept_in(z, w, k * BLOCK, end, cutoff);
+    /* u times the kept mass rounded to the blocks' total (or, summed in another order, past it): the
+       last kept id, as the torch path takes where u times the total rounds to the total. */
+    for (int64_t begin = (n - 1) / BLOCK * BLOCK; begin >= 0; begin -= BLOCK) {
+        const int64_t id = last_kept_in(z, w, begin, begin + BLOCK < n ? begin + BLOCK : n, cutoff);
         if (id >= 0) return id;
     }
     return -1;
@@ -536,10 +536,9 @@ void rs_sample_rows(const float *x, int64_t ld, const int64_t *rows_idx, int64_t
         Entry *entries = malloc((size_t)n * sizeof(Entry));
         int32_t *idx = malloc((size_t)n * sizeof(int32_t));
         int32_t *ids = malloc((size_t)(n + 8) * sizeof(int32_t)); /* gather_range writes 8 at a time */
-        double *block_sums = malloc((size_t)((n + BLOCK - 1) / BLOCK) * sizeof(double));
         float *sample_w = malloc((size_t)sample_size(n) * sizeof(float));
         int32_t *sample_b = malloc((size_t)sample_size(n) * sizeof(int32_t));
-        const int ok = z && w && hist && entries && idx && ids && block_sums && sample_w && sample_b;
+        const int ok = z && w && hist && entries && idx && ids && sample_w && sample_b;
 #ifdef _OPENMP
 #pragma omp for schedule(static)
 #endif
@@ -560,8 +559,10 @@ void rs_sample_rows(const float *x, int64_t ld, const int64_t *rows_idx, int64_t
             const double total = exp_and_sum(z, n, m, w, masked, next);
             if (br) fill_bracket(z, w, n, m, br);
             float cutoff = -INFINITY;
-            if (top_ps[r] < 1.0f) cutoff = top_p_cutoff(z, w, n, m, (double)top_ps[r] * total, br, hist, idx, ids, entries);
-            out_ids[r] = draw(z, w, n, cutoff, uniforms[r], block_sums);
+            double kept = total; /* every token, unless top_p cuts */
+            if (top_ps[r] < 1.0f)
+                cutoff = top_p_cutoff(z, w, n, m, (double)top_ps[r] * total, br, hist, idx, ids, entries, &kept);
+            out_ids[r] = draw(z, w, n, cutoff, uniforms[r], kept);
         }
         free(z);
         free(w);
@@ -569,7 +570,6 @@ void rs_sample_rows(const float *x, int64_t ld, const int64_t *rows_idx, int64_t
         free(entries);
         free(idx);
         free(ids);
-        free(block_sums);
         free(sample_w);
         free(sample_b);
     }
