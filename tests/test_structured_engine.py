@@ -112,7 +112,8 @@ def test_a_compile_past_the_limit_fails_alone_and_the_key_stays_failed(engine, m
     engine.add(_req("again", constraint))
     t0 = time.monotonic()
     again = _finals(_run(engine, lambda ds: "again" in _finals(ds)))["again"]
-    assert again.error_kind is ErrorKind.INVALID_CONSTRAINT and time.monotonic() - t0 < 0.5
+    # Under the 1 s a compile would wait here (gate.calls tells it directly), with room for a loaded machine.
+    assert again.error_kind is ErrorKind.INVALID_CONSTRAINT and time.monotonic() - t0 < 0.9
     assert gate.calls == 1
     gate.finish()
 
