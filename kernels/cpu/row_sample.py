@@ -9,9 +9,9 @@ where the whole step was 79 ms (`bench --workload features`, `top_p`). Here a sa
 brackets where the mass crosses top_p; one pass sums the mass above the bracket and packs its ids;
 only those tokens are gathered by logit into fine buckets, and only the bucket where the mass
 crosses is sorted (where the sample misses, the mass of every token by buckets of 1/256 nat decides);
-the draw walks block sums of 256 ids. 10.4 ms for those 256 rows. One thread per row, its sums in a
-fixed order, every choice made from the row: a row's draw depends on that row, its seed's uniform
-and its settings alone.
+the draw sums blocks of 256 ids until it passes its target. 8.5 ms for those 256 rows. One thread
+per row, its sums in a fixed order, every choice made from the row: a row's draw depends on that
+row, its seed's uniform and its settings alone.
 
 The rule is the sampler's (worker/engine/sampler.py): the same kept set (ties with the last kept
 token kept), the same inverse-CDF draw in id order; sums are in double where the torch path sums in

@@ -80,11 +80,8 @@ def timing(req: Request, now: float) -> Timing:
 
 def token_logprobs(token_id: int, sampled: SampledToken, decode: Callable[[int], str]) -> list[TokenLogprob]:
     """The logprob record of one sampled token, with its top alternatives (decode: id -> text)."""
-    return [
-        TokenLogprob(
-            token_id=token_id,
-            token=decode(token_id),
-            logprob=float(sampled.logprob) if sampled.logprob is not None else 0.0,
-            top_logprobs=[(int(i), decode(int(i)), float(lp)) for i, lp in sampled.top_logprobs],
-        )
-    ]
+    # The sampler's ids and logprobs are Python ints and floats already (from tolist()); this runs for
+    # every row of every step that wants logprobs, so nothing is converted again.
+    logprob = sampled.logprob
+    return [TokenLogprob(token_id, decode(token_id), logprob if logprob is not None else 0.0,
+                         [(i, decode(i), lp) for i, lp in sampled.top_logprobs])]
