@@ -55,8 +55,9 @@ static float row_max(const float *x, int64_t n) {
     return m;
 }
 
-/* Sum of e^(x - m) over the row, the lanes as the header says. `next` (or NULL): the row this thread
-   takes next, asked into the cache meanwhile (PREFETCH). */
+/* Sum of e^(x - m) over the row, the lanes as the header says (m: the row's finite maximum, so x - m
+   is never above 0; a NaN returns NaN). `next` (or NULL): the row this thread takes next, asked into
+   the cache meanwhile (PREFETCH). */
 static double row_exp_sum(const float *x, int64_t n, float m, const float *next) {
     float acc[LANES];
     for (int j = 0; j < LANES; ++j) acc[j] = 0.0f;
@@ -69,7 +70,7 @@ static double row_exp_sum(const float *x, int64_t n, float m, const float *next)
     {                                                                                                  \
         const __m256 v = _mm256_loadu_ps(x + (at_));                                                   \
         nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));                                    \
-        acc_ = _mm256_add_ps(acc_, exp_vector(_mm256_sub_ps(v, mv)));                                  \
+        acc_ = _mm256_add_ps(acc_, exp_vector_nonpositive(_mm256_sub_ps(v, mv)));                      \
     }
     for (; i < full; i += LANES) {
         if (next) PREFETCH(next + i);

@@ -132,24 +132,6 @@ static inline int64_t pack_ids(int32_t *out, int bits, int64_t i) {
 }
 #endif
 
-#ifdef HAVE_AVX2_FMA
-/* exp_vector's e^d for d <= 0 (or -inf), every bit the same: its clamp at EXP_HI changes nothing there. */
-static inline __m256 exp_nonpositive(__m256 d) {
-    d = _mm256_max_ps(d, _mm256_set1_ps(EXP_LO));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(d, _mm256_set1_ps(LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_HI), d);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_LO), r);
-    __m256 y = _mm256_set1_ps(P0);
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(P1));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(P2));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(P3));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(P4));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(P5));
-    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
-}
-#endif
 
 /* w = e^(z - m) into w; returns their sum (the lanes as the header says). `masked`: the row holds a
    -inf logit (a masked id), which weighs exactly 0, not the clamped exp's e^-87; a row without one
@@ -168,7 +150,7 @@ static double exp_and_sum(const float *z, int64_t n, float m, float *w, int mask
             if (next) PREFETCH(next + i);
             for (int q = 0; q < 4; ++q) {
                 const __m256 zv = _mm256_loadu_ps(z + i + 8 * q);
-                const __m256 e = _mm256_and_ps(exp_nonpositive(_mm256_sub_ps(zv, mv)), _mm256_cmp_ps(zv, ninf, _CMP_NEQ_OQ));
+                const __m256 e = _mm256_and_ps(exp_vector_nonpositive(_mm256_sub_ps(zv, mv)), _mm256_cmp_ps(zv, ninf, _CMP_NEQ_OQ));
                 _mm256_storeu_ps(w + i + 8 * q, e);
                 a[q] = _mm256_add_ps(a[q], e);
             }
@@ -177,7 +159,7 @@ static double exp_and_sum(const float *z, int64_t n, float m, float *w, int mask
         for (; i < full; i += LANES) {
             if (next) PREFETCH(next + i);
             for (int q = 0; q < 4; ++q) {
-                const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(z + i + 8 * q), mv));
+                const __m256 e = exp_vector_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(z + i + 8 * q), mv));
                 _mm256_storeu_ps(w + i + 8 * q, e);
                 a[q] = _mm256_add_ps(a[q], e);
             }
@@ -371,7 +353,7 @@ static void sampled_bracket(const float *z, int64_t n, float m, double p, float 
     for (int64_t k = 0; k + SAMPLE_RUN <= n; k += SAMPLE_EVERY, count += SAMPLE_RUN) {
 #ifdef HAVE_AVX2_FMA
         const __m256 zv = _mm256_loadu_ps(z + k);
-        const __m256 e = _mm256_and_ps(exp_nonpositive(_mm256_sub_ps(zv, mv)),
+        const __m256 e = _mm256_and_ps(exp_vector_nonpositive(_mm256_sub_ps(zv, mv)),
                                        _mm256_cmp_ps(zv, _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ));
         _mm256_storeu_ps(sample_w + count, e);
         acc = _mm256_add_ps(acc, e);
