@@ -66,6 +66,7 @@ from tokenmill.engine.sizing import (
 )
 from tokenmill.engine.stop_rule import check_stop, is_stop_token, stop_strings_count
 from tokenmill.engine.structured.constraints import Constraints
+from tokenmill.engine.token_texts import TokenTexts
 from tokenmill.engine.types import (
     EngineRequest,
     EngineStats,
@@ -145,7 +146,7 @@ class Engine:
         self.overlap = Overlap(resolve_async_scheduling(config.async_scheduling, self.device))
         self.requests: dict[str, Request] = {}  # by request id; for n > 1 the group's choice 0
         self.groups: dict[str, SampleGroup] = {}  # the n > 1 requests, by request id
-        self._token_texts: dict[int, str] = {}  # token id -> its text alone (logprob records)
+        self._token_texts = TokenTexts(self.tokenizer)  # token id -> its text alone (logprob records)
         self._finish_next: dict[Request, FinishReason] = {}  # aborts and refusals, ended at the next step
         # More failed steps in a row than a bisection of a full batch needs: the device is broken.
         self.faults = FaultIsolation(max_failures_in_a_row=3 + config.max_num_seqs.bit_length())
@@ -521,10 +522,7 @@ class Engine:
         return out
 
     def _token_text(self, token_id: int) -> str:
-        text = self._token_texts.get(token_id)
-        if text is None:
-            text = self._token_texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
-        return text
+        return self._token_texts.text(token_id)
 
     # ------------------------------------------------------------------ stats
     def held_state(self) -> dict[str, int]:
