@@ -388,7 +388,7 @@ class Sampler:
             else:
                 seeded.append(j)
                 seeds.append(seed)
-                steps.append(len(inp.output_token_ids) + inp.num_pending_tokens)  # num_generated
+                steps.append(num_generated(inp))
         if not unseeded:
             return seeded_uniforms(seeds, steps)
         u = torch.empty(len(inputs), dtype=torch.float64)
