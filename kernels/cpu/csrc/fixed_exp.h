@@ -40,8 +40,8 @@ static inline float exp_scalar(float x) {
 }
 
 #ifdef HAVE_AVX2_FMA
-static inline __m256 exp_vector(__m256 x) {
-    x = _mm256_min_ps(x, _mm256_set1_ps(EXP_HI));
+/* exp_vector for x with no lane above EXP_HI: the clamp at EXP_LO, then the fixed sequence. */
+static inline __m256 exp_vector_below_hi(__m256 x) {
     x = _mm256_max_ps(x, _mm256_set1_ps(EXP_LO));
     const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_HI), x);
@@ -57,23 +57,13 @@ static inline __m256 exp_vector(__m256 x) {
     return _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
 }
 
+static inline __m256 exp_vector(__m256 x) {
+    return exp_vector_below_hi(_mm256_min_ps(x, _mm256_set1_ps(EXP_HI)));
+}
+
 /* exp_vector's e^x, every bit the same, where no lane of x is above 0 or NaN (x - max of a finite
    row): its clamp at EXP_HI changes nothing there, so it is left out (one operation of about 20). */
-static inline __m256 exp_vector_nonpositive(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(EXP_LO));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_HI), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_LO), r);
-    __m256 y = _mm256_set1_ps(P0);
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(P1));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(P2));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(P3));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(P4));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(P5));
-    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
-}
+static inline __m256 exp_vector_nonpositive(__m256 x) { return exp_vector_below_hi(x); }
 #endif
 
 #endif
