@@ -153,6 +153,7 @@ async def produce(
     from aiokafka import AIOKafkaProducer
     from tqdm import tqdm
 
+    from tokenmill.kafka.metadata_pacing import paced
     from tokenmill.kafka.security import start_checked
     from tokenmill.tools.job_framing import JobFraming
 
@@ -163,8 +164,8 @@ async def produce(
     report = ProduceReport()
     framing = JobFraming(registry)
     started = time.monotonic()
-    producer = AIOKafkaProducer(bootstrap_servers=bootstrap_servers, acks="all", enable_idempotence=True,
-                                linger_ms=5, **(kafka_options or {}))
+    producer = paced(AIOKafkaProducer(bootstrap_servers=bootstrap_servers, acks="all", enable_idempotence=True,
+                                      linger_ms=5, **(kafka_options or {})))
     # Refused credentials raise KafkaAccessDenied here; a missing ACL raises from a send below.
     await start_checked(producer, bootstrap_servers, kafka_options or {})
     bar = tqdm(total=total, unit="job", disable=not progress, file=sys.stderr, desc="produce", dynamic_ncols=True)

@@ -119,12 +119,13 @@ async def follow(
     RegistryUnreachable)."""
     from aiokafka import AIOKafkaConsumer, TopicPartition
 
+    from tokenmill.kafka.metadata_pacing import paced
     from tokenmill.kafka.registry import RegistryClient, ResultReader
     from tokenmill.kafka.security import start_checked
 
     reader = ResultReader(RegistryClient(registry) if registry is not None else None)
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap_servers, group_id=None, enable_auto_commit=False,
-                                isolation_level="read_committed", **(kafka_options or {}))
+    consumer = paced(AIOKafkaConsumer(bootstrap_servers=bootstrap_servers, group_id=None, enable_auto_commit=False,
+                                      isolation_level="read_committed", **(kafka_options or {})))
     # Refused credentials raise KafkaAccessDenied here; a missing READ ACL raises from
     # topic_partitions or from a fetch.
     await start_checked(consumer, bootstrap_servers, kafka_options or {})

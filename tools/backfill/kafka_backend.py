@@ -73,22 +73,23 @@ class KafkaBackend(Backend):
     async def start(self, store: ResultStore) -> str | None:
         from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
+        from tokenmill.kafka.metadata_pacing import paced
         from tokenmill.kafka.security import start_checked
         from tokenmill.tools.kafka_topics import topic_partitions
 
         opts = dict(self.cfg.kafka_options)
         topic = self.cfg.results_topic
-        self.consumer = AIOKafkaConsumer(
+        self.consumer = paced(AIOKafkaConsumer(
             bootstrap_servers=self.cfg.bootstrap_servers, group_id=None, enable_auto_commit=False,
             isolation_level="read_committed", auto_offset_reset="earliest", **opts,
-        )
+        ))
         # Refused credentials raise KafkaAccessDenied here (and a missing ACL from the first use
         # of the topic); the run stops, nothing is retried.
         await start_checked(self.consumer, self.cfg.bootstrap_servers, opts)
-        self.producer = AIOKafkaProducer(
+        self.producer = paced(AIOKafkaProducer(
             bootstrap_servers=self.cfg.bootstrap_servers, acks="all", enable_idempotence=True,
             linger_ms=5, **opts,
-        )
+        ))
         await self.producer.start()
         tps = [TopicPartition(topic, p) for p in await topic_partitions(self.consumer, topic)]
         self.consumer.assign(tps)

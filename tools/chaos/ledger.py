@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
 from tokenmill.kafka.admin import create_topic
+from tokenmill.kafka.metadata_pacing import paced
 
 
 @dataclass(frozen=True)
@@ -91,8 +92,8 @@ class Ledger:
 
     async def produce(self, jobs: list[dict], over_s: float = 0.0) -> None:
         """Send the jobs (evenly over over_s seconds) and wait for every acknowledgement."""
-        producer = AIOKafkaProducer(bootstrap_servers=self.bootstrap, acks="all", enable_idempotence=True,
-                                    linger_ms=5)
+        producer = paced(AIOKafkaProducer(bootstrap_servers=self.bootstrap, acks="all", enable_idempotence=True,
+                                          linger_ms=5))
         await producer.start()
         try:
             t0, batch = time.monotonic(), max(1, len(jobs) // max(1, int(over_s * 4)))
@@ -109,8 +110,8 @@ class Ledger:
 
     async def follow(self) -> None:
         """Read Results until cancelled."""
-        consumer = AIOKafkaConsumer(self.topics.results, bootstrap_servers=self.bootstrap, group_id=None,
-                                    auto_offset_reset="earliest", enable_auto_commit=False)
+        consumer = paced(AIOKafkaConsumer(self.topics.results, bootstrap_servers=self.bootstrap, group_id=None,
+                                          auto_offset_reset="earliest", enable_auto_commit=False))
         await consumer.start()
         try:
             while True:

@@ -5,6 +5,7 @@
   the sticky assignor (partitions stay where they were across rebalances);
 - the producer: idempotent, acks=all, a short linger, for TokenEvents and at-least-once answers;
 - exactly-once: one transactional producer per input partition (transactions.py);
+- every client paces its metadata refreshes while no broker answers (metadata_pacing.py);
 - the producers' request and batch sizes follow the output topics' `max.message.bytes`, read
   once at start (`read_topic_limits`; sizing.py says why and how).
 
@@ -23,6 +24,7 @@ from aiokafka.errors import KafkaError
 from structlog.typing import FilteringBoundLogger
 
 from tokenmill.config import WorkerSettings
+from tokenmill.kafka.metadata_pacing import paced
 from tokenmill.kafka.publisher import WorkerProducer
 from tokenmill.kafka.sizing import TopicLimits
 
@@ -43,11 +45,11 @@ def new_producer(s: WorkerSettings, limits: TopicLimits | None = None,
     (publisher.py says why); on_switch(topic, error) is told when a topic moves over."""
     kwargs = _producer_kwargs(s, limits)
     plain = dict(kwargs, enable_idempotence=False)
-    return WorkerProducer(AIOKafkaProducer(**kwargs), lambda: AIOKafkaProducer(**plain), on_switch)
+    return WorkerProducer(paced(AIOKafkaProducer(**kwargs)), lambda: paced(AIOKafkaProducer(**plain)), on_switch)
 
 
 def new_transactional_producer(s: WorkerSettings, txn_id: str, limits: TopicLimits | None = None) -> AIOKafkaProducer:
-    return AIOKafkaProducer(transactional_id=txn_id, transaction_timeout_ms=60_000, **_producer_kwargs(s, limits))
+    return paced(AIOKafkaProducer(transactional_id=txn_id, transaction_timeout_ms=60_000, **_producer_kwargs(s, limits)))
 
 
 async def read_topic_limits(s: WorkerSettings, log: FilteringBoundLogger) -> TopicLimits:
@@ -78,7 +80,7 @@ def new_consumer(s: WorkerSettings) -> AIOKafkaConsumer:
     # (rebalance.py). Only one strategy: aiokafka 0.14 sends one JoinGroup per strategy offered,
     # each with different metadata, which starts the next rebalance at once (the group never
     # settles). So a group cannot mix workers of this version with older, round-robin ones.
-    return AIOKafkaConsumer(
+    return paced(AIOKafkaConsumer(
         partition_assignment_strategy=(sticky_assignor(),),
         group_id=s.group_id,
         group_instance_id=s.instance_id,
@@ -91,7 +93,7 @@ def new_consumer(s: WorkerSettings) -> AIOKafkaConsumer:
         rebalance_timeout_ms=s.max_poll_interval_ms,
         max_partition_fetch_bytes=1 << 20,
         **_client_kwargs(s),
-    )
+    ))
 
 
 async def partition_count(producer: AIOKafkaProducer | WorkerProducer, topic: str, log: FilteringBoundLogger) -> int:
