@@ -20,17 +20,17 @@ registry:
 demo: setup kafka-jars
 	@.venv/bin/tokenmill demo
 
-# `make test` runs the suite in phases: every test not marked serial in TEST_WORKERS pytest-xdist
-# workers (one broker for all of them; tests sharing a module's fixture stay on one worker, the longest
-# start first: tests/fixtures/scheduling.py), then the serial ones alone (they measure the machine or
-# their own speed), then the vLLM tests. TEST_WORKERS: more than the 2 cores, since many tests wait on
-# the broker or on worker processes. PYTEST_ARGS go to both phases of the main suite.
+# `make test` runs the suite in phases (scripts/run-tests.sh): the vLLM backend's tests in .venv-vllm in
+# the background from the start (they mostly wait on vLLM's processes and on Kafka); meanwhile every test
+# not marked serial in TEST_WORKERS pytest-xdist workers (one broker for all of them; tests sharing a
+# module's fixture stay on one worker, the longest start first: tests/fixtures/scheduling.py); then,
+# both done, the serial ones alone (they measure the machine or their own speed). TEST_WORKERS: more
+# than the 2 cores, since many tests wait on the broker or on worker processes. PYTEST_ARGS go to both
+# phases of the main suite, VLLM_PYTEST_ARGS to the vLLM phase.
 TEST_WORKERS ?= 4
-PARALLEL := -n $(TEST_WORKERS) --dist loadgroup
-test: setup kafka-jars registry
-	$(PY) -m pytest -q $(PARALLEL) -m "not serial" --durations=10 $(PYTEST_ARGS)
-	$(PY) -m pytest -q -m serial --durations=5 $(PYTEST_ARGS)
-	@$(MAKE) --no-print-directory test-vllm
+export TEST_WORKERS VLLM_PYTEST_ARGS
+test: setup kafka-jars registry vllm-env
+	@./scripts/run-tests.sh $(PYTEST_ARGS)
 
 # The inner loop: the tests that are neither slow nor need Kafka, in parallel (under 2 minutes on 2 cores).
 QUICK_WORKERS ?= 2
