@@ -2,6 +2,10 @@
 # Each does its own set-up (virtual environment, packages, Kafka jars) and is safe to repeat.
 PY := .venv/bin/python
 export OMP_WAIT_POLICY := PASSIVE
+# The environments keep the bytecode Python compiles: uv installs no .pyc files, and where the shell
+# sets PYTHONDONTWRITEBYTECODE every process would compile every module it imports again (torch alone
+# about 3 CPU-seconds, in each of the suite's hundreds of processes and in every worker's start).
+unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: setup demo test test-quick test-vllm lint lock kafka-jars registry vllm-env
 

@@ -17,6 +17,7 @@ VLLM_PY=.venv-vllm/bin/python
 WORKERS=${TEST_WORKERS:-4}
 VLLM_LOG=$(mktemp -t tokenmill-test-vllm.XXXXXX)
 export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
+unset PYTHONDONTWRITEBYTECODE  # keep compiled bytecode (the Makefile says why)
 
 vllm_pid=
 stop_vllm() {
