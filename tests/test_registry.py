@@ -9,11 +9,11 @@ import json
 import uuid
 
 import pytest
-from confluent_kafka.schema_registry import SchemaRegistryClient
 from confluent_kafka.schema_registry.avro import AvroDeserializer
 from confluent_kafka.schema_registry.json_schema import JSONDeserializer, JSONSerializer
 from confluent_kafka.serialization import MessageField, SerializationContext
 
+from tests.fixtures.registry import confluent_client
 from tests.test_schemas_export import CONTRACT_EVENT, CONTRACT_JOB, CONTRACT_RESULT
 from tokenmill.kafka import answers
 from tokenmill.kafka.registry import (
@@ -49,7 +49,7 @@ def _framing(url: str, result_format: str = "json", **topics: str) -> Framing:
 
 
 def _json_deserialized(url: str, topic: str, value: bytes) -> dict:
-    deserializer = JSONDeserializer(None, schema_registry_client=SchemaRegistryClient({"url": url}))
+    deserializer = JSONDeserializer(None, schema_registry_client=confluent_client(url))
     return deserializer(value, SerializationContext(topic, MessageField.VALUE))
 
 
@@ -68,7 +68,7 @@ def test_avro_results_round_trip_through_confluents_avro_deserializer(schema_reg
     topics = _topics()
     framing = _framing(schema_registry, "avro", **topics)
     rec = answers.result_record(Result.model_validate(result), topics["results_topic"], 1 << 20, framing)
-    deserializer = AvroDeserializer(SchemaRegistryClient({"url": schema_registry}))
+    deserializer = AvroDeserializer(confluent_client(schema_registry))
     record = deserializer(rec.value, SerializationContext(topics["results_topic"], MessageField.VALUE))
     assert record["job_id"] == result["job_id"] and record["usage"]["prompt_tokens"] == 9
     assert json.loads(record["metadata"]) == result["metadata"]  # free-form metadata travels as JSON text
@@ -124,7 +124,7 @@ def _jobs_subject_schema_id(url: str, jobs_topic: str) -> tuple[RegistryClient, 
 def test_a_job_framed_by_confluents_serializer_is_read_and_unknown_or_foreign_schema_ids_are_refused(schema_registry):
     jobs_topic = f"jobs-{uuid.uuid4().hex[:8]}"
     client, job_id = _jobs_subject_schema_id(schema_registry, jobs_topic)
-    serializer = JSONSerializer(render("job"), SchemaRegistryClient({"url": schema_registry}),
+    serializer = JSONSerializer(render("job"), confluent_client(schema_registry),
                                 conf={"auto.register.schemas": False, "use.latest.version": True})
     framed = serializer(CONTRACT_JOB, SerializationContext(jobs_topic, MessageField.VALUE))
     reader = JobReader(client, jobs_topic)

@@ -11,10 +11,10 @@ import json
 import uuid
 
 import pytest
-from confluent_kafka.schema_registry import SchemaRegistryClient
 from confluent_kafka.schema_registry.json_schema import JSONDeserializer
 from confluent_kafka.serialization import MessageField, SerializationContext
 
+from tests.fixtures.registry import confluent_client
 from tests.test_registry import ERROR_RESULT, SCORED_RESULT
 from tests.test_schemas_export import CONTRACT_RESULT
 from tests.worker_helpers import produce, read_topic
@@ -41,7 +41,7 @@ def test_produce_frames_each_model_topics_jobs_under_its_own_subject(kafka_boots
     (tmp_path / "jobs.jsonl").write_text("\n".join(_job_line(i, "large" if i % 2 else "small") for i in range(6)))
     assert tokenmill(["produce", "--bootstrap-servers", kafka_bootstrap, "--jobs-topic", stem + ".{model}",
                       "--schema-registry", schema_registry, "--no-progress", str(tmp_path / "jobs.jsonl")]) == 0
-    confluent = SchemaRegistryClient({"url": schema_registry})
+    confluent = confluent_client(schema_registry)
     client = RegistryClient(RegistrySettings(schema_registry))
     for model, ids in (("large", ["j1", "j3", "j5"]), ("small", ["j0", "j2", "j4"])):
         topic = f"{stem}.{model}"

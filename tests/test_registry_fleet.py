@@ -25,6 +25,7 @@ from confluent_kafka.schema_registry.avro import AvroDeserializer
 from confluent_kafka.schema_registry.json_schema import JSONDeserializer, JSONSerializer
 from confluent_kafka.serialization import MessageField, SerializationContext
 
+from tests.fixtures.registry import confluent_client
 from tests.worker_helpers import (
     Topics,
     make_topics,
@@ -57,7 +58,7 @@ class RegistryFleet:
     model_dir: str  # its checkpoint (eval reads its tokenizer)
 
     def confluent(self) -> SchemaRegistryClient:
-        return SchemaRegistryClient({"url": self.registry})
+        return confluent_client(self.registry)
 
     def result_of(self, value: bytes) -> Result:
         """A Result record as confluent-kafka's own deserializer of the worker's format reads it."""
