@@ -5,7 +5,7 @@ aiokafka (0.14) refreshes cluster metadata in one background task that anybody c
 and whoever woke it wakes it again at once: the producer's sender does so in a loop without a pause
 whenever a partition's leader is unknown (which is how a broker that is shutting down leaves its
 partitions). A worker whose broker went away with answers waiting to be sent then spins one core
-and writes two error lines per turn, some 2,500 a second (300 MB of log in a 20-minute outage).
+and writes two error lines per turn, some 2,500 a second (37 MB of log in a two-minute outage).
 
 The Java client does not: it spaces metadata requests by `retry.backoff.ms`, growing to
 `retry.backoff.max.ms` (KIP-580). `pace_metadata_refreshes` gives an aiokafka client the same rule:
