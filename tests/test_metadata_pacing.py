@@ -16,7 +16,13 @@ import pytest
 from aiokafka.client import AIOKafkaClient
 
 from tokenmill.kafka.local_broker import free_port
-from tokenmill.kafka.metadata_pacing import FIRST_BACKOFF_S, MAX_BACKOFF_S, pace_metadata_refreshes, paced
+from tokenmill.kafka.metadata_pacing import (
+    FIRST_BACKOFF_S,
+    MAX_BACKOFF_S,
+    client_of,
+    pace_metadata_refreshes,
+    paced,
+)
 
 
 async def _refreshes_in(client: AIOKafkaClient, seconds: float) -> list[float]:
@@ -102,6 +108,5 @@ async def test_every_client_the_worker_makes_is_paced():
     made = [producer.main, producer._make_plain(), clients.new_transactional_producer(s, "txn-1"),
             clients.new_consumer(s)]
     for owner in made:
-        client = getattr(owner, "client", None) or owner._client
-        assert client._tokenmill_paced, owner
+        assert client_of(owner)._tokenmill_paced, owner
     assert paced(made[0]) is made[0]

@@ -50,10 +50,13 @@ def pace_metadata_refreshes(kafka_client: Any, first_s: float = FIRST_BACKOFF_S,
     return kafka_client
 
 
+def client_of(owner) -> Any:
+    """The AIOKafkaClient of an aiokafka producer (`.client`) or consumer (`._client`)."""
+    client = getattr(owner, "client", None)
+    return owner._client if client is None else client
+
+
 def paced(owner):
     """An aiokafka producer or consumer whose client paces its metadata refreshes; returns owner."""
-    client = getattr(owner, "client", None)
-    if client is None:  # AIOKafkaConsumer keeps it private
-        client = owner._client
-    pace_metadata_refreshes(client)
+    pace_metadata_refreshes(client_of(owner))
     return owner
