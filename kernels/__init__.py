@@ -1,5 +1,7 @@
 """Triton kernels for tokenmill (`tokenmill.kernels`), each with a plain-torch reference beside it."""
 
+import os
+
 if __name__ == "kernels":
     # In a checkout the repository root is on sys.path (pytest, `python -m` from the root), so this
     # folder is also found under the top-level name `kernels`, which is Hugging Face's package
@@ -8,7 +10,6 @@ if __name__ == "kernels":
     # returns); where it is not, an empty stand-in, which transformers never asks for.
     import importlib.machinery
     import importlib.util
-    import os
     import sys
 
     _checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -18,3 +19,8 @@ if __name__ == "kernels":
         _module = importlib.util.module_from_spec(_spec)
         sys.modules["kernels"] = _module
         _spec.loader.exec_module(_module)
+elif os.environ.get("TRITON_INTERPRET") == "1":
+    # Interpreted kernels skip the overflow checks Triton computes and then drops (interpreter.py).
+    from tokenmill.kernels.interpreter import skip_discarded_overflow_checks
+
+    skip_discarded_overflow_checks()

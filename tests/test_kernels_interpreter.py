@@ -1,0 +1,61 @@
+"""kernels/interpreter.py: the interpreter skips the overflow checks Triton would compute and drop."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+from triton.runtime import interpreter
+
+from tokenmill.kernels.interpreter import skip_discarded_overflow_checks
+
+
+@triton.jit
+def _double_kernel(x_ptr, out_ptr):
+    x = tl.load(x_ptr)
+    tl.store(out_ptr, x + x)
+
+
+def _double(x: torch.Tensor) -> torch.Tensor:
+    out = torch.empty_like(x)
+    _double_kernel[(1,)](x, out)
+    return out
+
+
+@pytest.fixture
+def builder(monkeypatch):
+    """The interpreter's builder, its options restored after the test."""
+    builder = interpreter.interpreter_builder
+    monkeypatch.setattr(builder, "options", builder.options)
+    return builder
+
+
+def test_the_tests_interpreter_runs_without_the_checks():
+    options = interpreter.interpreter_builder.options
+    assert options.debug is False and options.sanitize_overflow is False
+
+
+def test_with_debug_off_an_overflow_passes_the_check_unnoticed_so_skipping_it_changes_nothing(builder):
+    """The premise: with debug off, Triton computes the check and drops it. Should a Triton version
+    start to act on it, this fails and the skip must go."""
+    big = torch.tensor([2**30 + 5], dtype=torch.int32)
+    builder.options = dataclasses.replace(builder.options, sanitize_overflow=True, debug=False)
+    wrapped = _double(big)
+    builder.options = dataclasses.replace(builder.options, sanitize_overflow=False)
+    assert torch.equal(_double(big), wrapped) and wrapped.item() < 0  # wrapped around, unreported
+
+
+def test_with_debug_on_the_checks_count_and_are_kept(builder):
+    builder.options = dataclasses.replace(builder.options, sanitize_overflow=True, debug=True)
+    assert skip_discarded_overflow_checks() is False and builder.options.sanitize_overflow is True
+    with pytest.raises(Exception, match="overflow"):
+        _double(torch.tensor([2**30 + 5], dtype=torch.int32))
+
+
+def test_skipping_is_idempotent(builder):
+    builder.options = dataclasses.replace(builder.options, sanitize_overflow=True, debug=False)
+    assert skip_discarded_overflow_checks() and skip_discarded_overflow_checks()
+    assert builder.options.sanitize_overflow is False
