@@ -186,7 +186,9 @@ async def test_a_dead_engine_core_ends_the_worker_and_its_jobs_go_to_another(kaf
     from tokenmill.kafka.local_broker import free_port
 
     topics = await make_topics(kafka_bootstrap, "vllm-dead", partitions=1)
-    jobs = [job(i, max_tokens=1200) for i in range(6)]
+    # Long enough (600 steps, 7 s alone on 2 cores) to be still running when the core is killed, a
+    # second or so after the first is seen running; the worker that answers them after runs them all.
+    jobs = [job(i, max_tokens=600) for i in range(6)]
     await produce(kafka_bootstrap, topics.jobs, jobs)
     port, log = free_port(), tmp_path / "worker.log"
     cmd = _vllm_worker(kafka_bootstrap, topics, port, "--log-level", "INFO")
