@@ -24,13 +24,12 @@ registry:
 demo: setup kafka-jars
 	@.venv/bin/tokenmill demo
 
-# `make test` runs the suite in phases (scripts/run-tests.sh): the vLLM backend's tests in .venv-vllm in
-# the background from the start (they mostly wait on vLLM's processes and on Kafka); meanwhile every test
-# not marked serial in TEST_WORKERS pytest-xdist workers (one broker for all of them; tests sharing a
-# module's fixture stay on one worker, the longest start first: tests/fixtures/scheduling.py); then,
-# both done, the serial ones alone (they measure the machine or their own speed). TEST_WORKERS: more
-# than the 2 cores, since many tests wait on the broker or on worker processes. PYTEST_ARGS go to both
-# phases of the main suite, VLLM_PYTEST_ARGS to the vLLM phase.
+# `make test` runs the suite in two phases at once (scripts/run-tests.sh): the vLLM backend's tests in
+# .venv-vllm in the background (they mostly wait on vLLM's processes and on Kafka), and every other test
+# in TEST_WORKERS pytest-xdist workers (one broker for all of them; tests sharing a module's fixture stay
+# on one worker, the longest start first: tests/fixtures/scheduling.py). TEST_WORKERS: more than the 2
+# cores, since many tests wait on the broker or on worker processes. PYTEST_ARGS go to the main suite,
+# VLLM_PYTEST_ARGS to the vLLM phase.
 TEST_WORKERS ?= 4
 export TEST_WORKERS VLLM_PYTEST_ARGS
 test: setup kafka-jars registry vllm-env
@@ -40,7 +39,7 @@ test: setup kafka-jars registry vllm-env
 QUICK_WORKERS ?= 2
 test-quick: setup registry
 	$(PY) -m pytest -q -n $(QUICK_WORKERS) --dist loadgroup \
-		-m "not slow and not kafka and not serial" $(PYTEST_ARGS)
+		-m "not slow and not kafka" $(PYTEST_ARGS)
 
 # The vllm backend's tests against real vLLM (marked vllm, in tests/test_vllm_*.py), in .venv-vllm: in
 # .venv they skip, vLLM is not there. Here nothing skips: vLLM that does not import fails the step.

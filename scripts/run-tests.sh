@@ -1,14 +1,13 @@
 #!/usr/bin/env bash
-# `make test`'s phases, after set-up:
-#   1. the vLLM backend's tests (in .venv-vllm), in the background from the start: they wait most of
-#      their time on vLLM processes starting and on Kafka (about 40% of a 2-core machine alone), so
-#      the main suite's parallel phase fills the rest of the CPU instead of the two running in turn;
-#   2. every test not marked serial, in TEST_WORKERS pytest-xdist workers (one broker for all);
-#   3. once both are done, the serial tests alone (they measure the machine or their own speed).
-# The vLLM phase's output is kept in a log and printed when it ends. The run fails when any phase
+# `make test`'s two phases, after set-up, at the same time:
+#   1. the vLLM backend's tests (in .venv-vllm), in the background: they wait most of their time on
+#      vLLM processes starting and on Kafka (about 40% of a 2-core machine alone), so the main suite
+#      fills the rest of the CPU instead of the two running in turn;
+#   2. every other test, in TEST_WORKERS pytest-xdist workers (one broker for all).
+# The vLLM phase's output is kept in a log and printed when it ends. The run fails when either phase
 # fails; an interrupted run stops the background phase too.
 #
-#   scripts/run-tests.sh PYTEST_ARGS...     (the arguments go to phases 2 and 3)
+#   scripts/run-tests.sh PYTEST_ARGS...     (the arguments go to phase 2)
 # Environment: TEST_WORKERS (default 4), VLLM_PYTEST_ARGS (arguments of phase 1).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -48,7 +47,7 @@ vllm_pid=$!
 set +m
 echo "[test] vLLM backend tests started in the background (pid $vllm_pid)"
 
-"$PY" -m pytest -q -n "$WORKERS" --dist loadgroup -m "not serial" --durations=10 "$@"
+"$PY" -m pytest -q -n "$WORKERS" --dist loadgroup --durations=10 "$@"
 main_rc=$?
 echo "[test] parallel phase: exit $main_rc after $((SECONDS - started)) s"
 
@@ -57,11 +56,8 @@ vllm_rc=$?
 vllm_pid=
 echo "[test] vLLM backend tests (exit $vllm_rc, done $((SECONDS - started)) s after the start):"
 cat "$VLLM_LOG"
+echo "[test] the whole suite took $((SECONDS - started)) s"
 
-"$PY" -m pytest -q -m serial --durations=5 "$@"
-serial_rc=$?
-echo "[test] serial phase: exit $serial_rc; the whole suite took $((SECONDS - started)) s"
-
-for rc in $main_rc $vllm_rc $serial_rc; do
+for rc in $main_rc $vllm_rc; do
     [ "$rc" -eq 0 ] || exit "$rc"
 done
