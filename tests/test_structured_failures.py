@@ -170,10 +170,13 @@ def test_the_same_bad_constraint_again_fails_fast_from_the_cache(tiny_llama_dir)
         engine.add(request("again-" + name, c))
     again = {d.request_id: d for _ in range(2) for d in engine.step()}  # the next step or the one after
     assert len(engine.metrics.compile_s) == compiles  # no compile ran: every failure came from the cache
-    for name, _, piece in [*BAD, SLOW]:
+    for name, _, _ in [*BAD, SLOW]:
         d = again["again-" + name]
         assert d.finished
-        assert_invalid_constraint(d, piece)
+        # The failure the first compile gave, whatever it was: each constraint's own reason is held in
+        # the test above; here, on a loaded machine, a compile queued behind the slow one in the two
+        # compile threads may have met the time limit first, and then that is what the cache keeps.
+        assert_invalid_constraint(d, None)
         assert d.error == first["first-" + name].error
     # The same schema given as its text is the same cache entry.
     text = json.dumps({"type": "strin"}, separators=(",", ":"))
