@@ -29,8 +29,8 @@ demo: setup kafka-jars
 # in TEST_WORKERS pytest-xdist workers (one broker for all of them; tests sharing a module's fixture stay
 # on one worker, the longest start first: tests/fixtures/scheduling.py). TEST_WORKERS: more than the 2
 # cores, since many tests wait on the broker or on worker processes (with 3 the cores stood a third idle
-# for a minute and a half mid-run; one fresh clone's run took 715 s, against 631 with 4). PYTEST_ARGS go to the main suite,
-# VLLM_PYTEST_ARGS to the vLLM phase.
+# for a minute and a half mid-run; one fresh clone's run took 715 s, against 631 with 4). PYTEST_ARGS
+# go to the main suite, VLLM_PYTEST_ARGS to the vLLM phase.
 TEST_WORKERS ?= 4
 export TEST_WORKERS VLLM_PYTEST_ARGS
 test: setup kafka-jars registry vllm-env
