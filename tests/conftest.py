@@ -33,10 +33,11 @@ def _thaw_the_heap():
     yield
     gc.unfreeze()
 
-# Fixture modules, one per concern (kept apart so they can grow independently).
+# Fixture modules, one per concern (kept apart so they can grow independently). `shared` first: the
+# others import it, and pytest rewrites a plugin's asserts only when it imports the module itself.
 pytest_plugins = [
-    "tests.fixtures.scheduling",
     "tests.fixtures.shared",
+    "tests.fixtures.scheduling",
     "tests.fixtures.models",
     "tests.fixtures.kafka",
     "tests.fixtures.s3",

@@ -10,8 +10,13 @@ pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
 
 async def test_a_rebalance_storm_loses_nothing_and_leaves_no_partition_behind(kafka_bootstrap, tiny_llama_dir,
-                                                                              tmp_path):
+                                                                              tmp_path, monkeypatch):
+    from tests import worker_launcher
+    from tokenmill.tools.chaos import fleet
     from tokenmill.tools.chaos.scenarios import ChaosConfig, run_scenario
+
+    # The storm's workers forked from a process that has imported torch (worker_launcher.py says why).
+    monkeypatch.setattr(fleet, "start_process", worker_launcher.start_process)
 
     config = ChaosConfig("rebalance-storm", jobs=3000, max_tokens=4, partitions=8, schedule=(1, 4, 1, 3),
                          step_s=7.5, bootstrap=kafka_bootstrap, model=str(tiny_llama_dir), drain_timeout_s=120.0,

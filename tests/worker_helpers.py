@@ -16,6 +16,7 @@ from pathlib import Path
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
+from tests import worker_launcher
 from tokenmill.kafka.admin import create_topic
 
 REPO = Path(__file__).resolve().parent.parent
@@ -191,14 +192,17 @@ def worker_command(bootstrap: str, topics: Topics, model_dir: str, *extra: str) 
             "--log-level", "WARNING", *extra]
 
 
-def start_worker_process(cmd: list[str], log_path: Path) -> subprocess.Popen:
+def start_worker_process(cmd: list[str], log_path: Path, fresh_interpreter: bool = False):
+    """Start `cmd` in a session of its own, its output appended to log_path; returns a Popen or a
+    ForkedProcess (the same methods): `python -m` commands are forked from a process that has
+    imported torch already (tests/worker_launcher.py says why and what differs), unless
+    fresh_interpreter."""
     env = dict(os.environ, OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE", TOKENIZERS_PARALLELISM="false",
                PYTHONPATH=str(REPO))
-    log = open(log_path, "ab")
-    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    return worker_launcher.start_process(cmd, env, log_path, fresh_interpreter)
 
 
-def stop_process(proc: subprocess.Popen, sig=signal.SIGTERM, timeout: float = 60) -> int:
+def stop_process(proc, sig=signal.SIGTERM, timeout: float = 60) -> int:
     if proc.poll() is None:
         proc.send_signal(sig)
     try:

@@ -137,9 +137,7 @@ class Fleet:
         log_path = self.work_dir / f"{name}.log"
         env = dict(os.environ, OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE", TOKENIZERS_PARALLELISM="false",
                    PYTHONPATH=os.pathsep.join(p for p in (str(_REPO), os.environ.get("PYTHONPATH")) if p))
-        with open(log_path, "ab") as log:
-            proc = subprocess.Popen([*self.command(port), "--worker-name", name, *extra], cwd=_REPO, env=env,
-                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = start_process([*self.command(port), "--worker-name", name, *extra], env, log_path)
         w = WorkerProc(name, proc, port, log_path, time.monotonic())
         self.workers[name] = w
         return w
@@ -240,6 +238,13 @@ class Fleet:
             return w.log_path.read_text(errors="replace")[-n:]
         except OSError:
             return ""
+
+
+def start_process(cmd: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen:
+    """A worker process in a session of its own (a signal to the chaos run is not one to its
+    workers), its output appended to log_path."""
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(cmd, cwd=_REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def _wait(proc: subprocess.Popen, timeout_s: float) -> int | None:
