@@ -20,7 +20,10 @@ if __name__ == "kernels":
         sys.modules["kernels"] = _module
         _spec.loader.exec_module(_module)
 elif os.environ.get("TRITON_INTERPRET") == "1":
-    # Interpreted kernels skip the overflow checks Triton computes and then drops (interpreter.py).
-    from tokenmill.kernels.interpreter import skip_discarded_overflow_checks
+    # Interpreted kernels skip work whose result the interpreter never uses (interpreter.py): the
+    # overflow checks Triton computes and then drops, and patching the language again on every call
+    # of a jit function inside a launch.
+    from tokenmill.kernels.interpreter import patch_language_once_per_launch, skip_discarded_overflow_checks
 
     skip_discarded_overflow_checks()
+    patch_language_once_per_launch()
