@@ -20,6 +20,8 @@ The tests of the command itself (its start, its wheel) run fresh interpreters an
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import json
 import os
 import select
@@ -152,6 +154,7 @@ class Launcher:
                                       pass_fds=[theirs.fileno()], cwd=REPO, env=self.env, stdin=subprocess.DEVNULL,
                                       stdout=self._log, stderr=subprocess.STDOUT)
         theirs.close()
+        atexit.register(self._close)
         self._send_lock = threading.Lock()
         self._changed = threading.Condition()
         self._started: list[int] = []
@@ -191,6 +194,15 @@ class Launcher:
             if pid not in self._exits and self._gone:
                 raise RuntimeError(f"the worker launcher has gone: {Path(self._log.name).read_text()[-2000:]}")
             return self._exits.get(pid)
+
+    def _close(self) -> None:
+        """At the test process's exit: the launcher ends when its socket closes; its log goes."""
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the reader; the launcher reads the end
+        self._sock.close()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._proc.wait(5)
+        Path(self._log.name).unlink(missing_ok=True)
 
     def _read(self) -> None:
         while True:
