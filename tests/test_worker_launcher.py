@@ -1,6 +1,7 @@
 """The test helper that forks worker processes from a launcher with torch imported
 (tests/worker_launcher.py): each child is a process of its own, as `python -m` would have started
-it, and a start the launcher cannot match runs in a fresh interpreter."""
+it; an environment that libraries read when they load gets a launcher of its own, past a few a
+fresh interpreter."""
 
 import json
 import os
@@ -54,12 +55,18 @@ def test_a_forked_child_is_killed_and_waited_for_like_a_popen(tmp_path):
     proc.kill()  # an ended process is not signalled again (its pid may be another's by now)
 
 
-def test_starts_the_launcher_cannot_match_run_in_a_fresh_interpreter(tmp_path):
-    worker_launcher.start_process(_probe(tmp_path, "0"), _env(), tmp_path / "probe.log").wait(60)  # one is running
-    other_threads = worker_launcher.start_process(_probe(tmp_path, "0"), _env(OMP_NUM_THREADS="2"),
-                                                  tmp_path / "probe.log")
-    assert isinstance(other_threads, subprocess.Popen)  # OpenMP reads it when it loads
-    assert other_threads.wait(60) == 0
+def test_an_environment_libraries_read_at_load_gets_its_own_launcher_or_a_fresh_interpreter(tmp_path, monkeypatch):
+    default = worker_launcher.start_process(_probe(tmp_path, "0"), _env(), tmp_path / "probe.log")
+    assert default.wait(60) == 0 and _report(tmp_path)[0]["torch_threads"] == 1
+    # OpenMP reads OMP_NUM_THREADS when it loads, before torch's first use: a launcher of its own,
+    # whose torch was loaded with it.
+    two = worker_launcher.start_process(_probe(tmp_path, "0"), _env(OMP_NUM_THREADS="2"), tmp_path / "probe.log")
+    assert isinstance(two, worker_launcher.ForkedProcess) and two._launcher is not default._launcher
+    assert two.wait(60) == 0 and _report(tmp_path)[0]["torch_threads"] == 2
+    # Past MAX_LAUNCHERS environments, and where asked, a fresh interpreter.
+    monkeypatch.setattr(worker_launcher, "MAX_LAUNCHERS", len(worker_launcher._launchers))
+    three = worker_launcher.start_process(_probe(tmp_path, "0"), _env(OMP_NUM_THREADS="3"), tmp_path / "probe.log")
+    assert isinstance(three, subprocess.Popen) and three.wait(60) == 0
     assert not _report(tmp_path)[0]["torch_loaded"]
     asked = worker_launcher.start_process(_probe(tmp_path, "0"), _env(), tmp_path / "probe.log",
                                           fresh_interpreter=True)

@@ -11,9 +11,10 @@ What it shares with the launcher is only the third-party modules in PRELOAD, imp
 fork and never used there (no tensor made, no thread started, nothing read from the environment
 but what LOAD_TIME_ENV names).
 
-Libraries read some variables once, when they load (OpenMP's, malloc's, Python's own): a start
-whose environment differs from the launcher's in one of those runs in a fresh interpreter instead.
-The tests of the command itself (its start, its wheel) run fresh interpreters anyway.
+Libraries read some variables once, when they load (OpenMP's, malloc's, Python's own): each
+environment that differs in those gets a launcher of its own, up to MAX_LAUNCHERS per test process;
+past that, a start runs in a fresh interpreter. The tests of the command itself (its start, its
+wheel) run fresh interpreters anyway.
 
     python -m tests.worker_launcher FD      (the launcher, serving the socket FD; see Launcher)
 """
@@ -144,7 +145,8 @@ class ForkedProcess:
 
 
 class Launcher:
-    """One launcher process per test process, started on first use, gone when the test process is."""
+    """A launcher process for one load-time environment, started on first use, gone when the test
+    process is."""
 
     def __init__(self, env: Mapping[str, str]) -> None:
         self.env = dict(env)
@@ -162,9 +164,6 @@ class Launcher:
         self._ready = False
         self._gone = False
         threading.Thread(target=self._read, name="worker-launcher", daemon=True).start()
-
-    def suits(self, env: Mapping[str, str]) -> bool:
-        return self.alive() and _load_time(env) == _load_time(self.env)
 
     def alive(self) -> bool:
         return not self._gone and self._proc.poll() is None
@@ -225,30 +224,38 @@ class Launcher:
                 self._changed.notify_all()
 
 
-_launcher: Launcher | None = None
-_launcher_lock = threading.Lock()
+# One launcher per environment as libraries read it when they load; a test process that needs more
+# (a test asking for other threads, a variable some library set) starts the rest fresh.
+MAX_LAUNCHERS = 3
+_launchers: dict[tuple[tuple[str, str], ...], Launcher] = {}
+_launchers_lock = threading.Lock()
 
 
 def start_process(cmd: Sequence[str], env: Mapping[str, str], log_path: Path, fresh_interpreter: bool = False):
     """Start `cmd` in a session of its own, in the repository, its output appended to log_path;
-    returns a ForkedProcess for `python -m MODULE ARGS` (unless fresh_interpreter, or where it must
-    run in a fresh interpreter: another interpreter, or an environment that differs in what
-    libraries read when they load), else a subprocess.Popen."""
+    returns a ForkedProcess for `python -m MODULE ARGS` (from the launcher of its environment as
+    libraries read it when they load), else (another interpreter, fresh_interpreter, or
+    MAX_LAUNCHERS environments already served) a subprocess.Popen."""
     with open(log_path, "ab") as log:
         if not fresh_interpreter and len(cmd) >= 3 and cmd[0] == sys.executable and cmd[1] == "-m":
-            launcher = _shared_launcher(env)
-            if launcher.suits(env):
+            launcher = _launcher_for(env)
+            if launcher is not None:
                 return ForkedProcess(launcher, launcher.start(cmd[2], cmd[3:], env, REPO, log.fileno()), cmd)
         return subprocess.Popen(list(cmd), cwd=REPO, env=dict(env), stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
 
 
-def _shared_launcher(env: Mapping[str, str]) -> Launcher:
-    global _launcher
-    with _launcher_lock:
-        if _launcher is None or not _launcher.alive():
-            _launcher = Launcher(env)
-        return _launcher
+def _launcher_for(env: Mapping[str, str]) -> Launcher | None:
+    key = tuple(sorted(_load_time(env).items()))
+    with _launchers_lock:
+        launcher = _launchers.get(key)
+        if launcher is not None and launcher.alive():
+            return launcher
+        if launcher is None and len(_launchers) >= MAX_LAUNCHERS:
+            return None
+        # A launcher that has gone is replaced; its children were reported up to its end.
+        _launchers[key] = launcher = Launcher(env)
+        return launcher
 
 
 if __name__ == "__main__":
