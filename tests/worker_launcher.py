@@ -149,11 +149,10 @@ class Launcher:
     process is."""
 
     def __init__(self, env: Mapping[str, str]) -> None:
-        self.env = dict(env)
         self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._log = tempfile.NamedTemporaryFile(prefix="tokenmill-worker-launcher-", suffix=".log", delete=False)
         self._proc = subprocess.Popen([sys.executable, "-m", "tests.worker_launcher", str(theirs.fileno())],
-                                      pass_fds=[theirs.fileno()], cwd=REPO, env=self.env, stdin=subprocess.DEVNULL,
+                                      pass_fds=[theirs.fileno()], cwd=REPO, env=dict(env), stdin=subprocess.DEVNULL,
                                       stdout=self._log, stderr=subprocess.STDOUT)
         theirs.close()
         atexit.register(self._close)
