@@ -112,12 +112,22 @@ def _worker_metrics(port: int) -> dict[str, float]:
     return out
 
 
-async def _kill_mid_work(proc, port: int, ok_before: float, timeout: float = 30) -> float:
+async def _metrics_of(proc, port: int, log) -> dict[str, float]:
+    """The worker's metrics; a worker that stopped answering is reported with its state and log."""
+    try:
+        return await asyncio.to_thread(_worker_metrics, port)
+    except OSError as exc:
+        await asyncio.sleep(1)  # an exit just now: let its code and last lines arrive
+        raise AssertionError(f"worker's /metrics on port {port} failed ({exc!r}); exit code {proc.poll()}; "
+                             f"its log: {_log_tail(log)}") from exc
+
+
+async def _kill_mid_work(proc, port: int, log, ok_before: float, timeout: float = 30) -> float:
     """SIGKILL once the worker has answered some of the new jobs and still runs others; returns
     how many requests were in its engine at that moment."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        m = await asyncio.to_thread(_worker_metrics, port)
+        m = await _metrics_of(proc, port, log)
         load = m["tokenmill_engine_running"] + m["tokenmill_engine_waiting"]
         if m["tokenmill_jobs_ok_total"] >= ok_before + 3 and load > 0:
             proc.send_signal(signal.SIGKILL)
@@ -163,11 +173,11 @@ async def _crash_run(bootstrap, model_dir, tmp_path, exactly_once: bool):
         for w, wave in enumerate(waves):
             name = "ab"[killed % 2]
             if 1 <= w <= kills:
-                ok_before = (await asyncio.to_thread(_worker_metrics, ports[name]))["tokenmill_jobs_ok_total"]
+                ok_before = (await _metrics_of(procs[name], ports[name], logs[name]))["tokenmill_jobs_ok_total"]
             await produce(bootstrap, topics.jobs, wave)
             if 1 <= w <= kills:
                 # Killed while it has answered some of this wave and is running more of it.
-                await _kill_mid_work(procs[name], ports[name], ok_before)
+                await _kill_mid_work(procs[name], ports[name], logs[name], ok_before)
                 assert procs[name].wait(30) == -signal.SIGKILL
                 killed += 1
                 procs[name] = start_worker_process(cmd(name), logs[name])
