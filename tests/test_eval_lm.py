@@ -16,8 +16,9 @@ float64: about 8e-6 a token on SmolLM2, 1.7e-3 over a 200-token document, while 
 within 4e-5 of float64's), so an absolute 1e-4 would test HFLM's rounding, not tokenmill.
 
 On SmolLM2 the same holds for a few continuations (one of the 112: HFLM's float32 sum 1.9e-4 from
-float64's, tokenmill's 1.8e-5): there every loglikelihood is also held to HFLM in float64, within
-1e-4, and to HFLM in float32 within 1e-4 plus HFLM's own float32 error on that request.
+float64's, tokenmill's 1.8e-5): there every loglikelihood is also held to the same model in float64
+(HFLM's sums, computed with less work: eval_helpers.float64_loglikelihoods), within 1e-4, and to
+HFLM in float32 within 1e-4 plus HFLM's own float32 error on that request.
 """
 
 from __future__ import annotations
@@ -26,9 +27,12 @@ import math
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from tests.eval_helpers import (  # noqa: E402
+    encoded_pairs,
     evaluate,
+    float64_loglikelihoods,
     force_preemptions,
     hf_lm,
     kv_gb,
@@ -133,6 +137,25 @@ def test_the_tiny_window_truncates_prompts_and_rolls_documents(task_reqs):
     runner.close()
 
 
+def test_the_float64_reference_is_hflms_in_float64(task_reqs):
+    """The SmolLM2 tests' float64 reference (one pass per distinct context, then the choices after
+    its cache) gives HFLM's float64 sums, on every multiple-choice request and on empty contexts;
+    a request longer than the window is refused, not cut."""
+    model_dir = cached_tiny_model("test-llama")
+    reqs = [*task_reqs["mc"], SimpleNamespace(args=("", " the end of it")), SimpleNamespace(args=("", "x"))]
+    hf = hf_lm(model_dir)
+    pairs = encoded_pairs(hf, reqs)
+    assert len(pairs) == len(reqs) and len({tuple(c) for c, _ in pairs}) < len(pairs)  # shared contexts
+    lengths = {len(x) for _, x in pairs}
+    assert 1 in lengths and len(lengths - {1}) >= 2  # one-token choices, and batches of several lengths after
+    ours = float64_loglikelihoods(hf.model, pairs, hf.max_length)
+    ref = [value for value, _ in hf_lm(model_dir, dtype="float64").loglikelihood(reqs, disable_tqdm=True)]
+    assert max(abs(a - b) for a, b in zip(ours, ref, strict=True)) < 1e-10
+    assert next(hf.model.parameters()).dtype == torch.float32  # it computed on a copy
+    with pytest.raises(ValueError, match=r"requests \[0\] are longer than the window \(5 tokens\)"):
+        float64_loglikelihoods(hf.model, pairs[:1], 5)
+
+
 # ---------------------------------------------------------------------- SmolLM2
 # SmolLM2 (135M parameters) on 2 CPU cores: about 100 s for the three tests below.
 @pytest.fixture(scope="module")
@@ -153,11 +176,12 @@ def smollm2_evaluations(smollm2):
     greedy = [SimpleNamespace(args=(k[1][0], text)) for k, text in hf_answers.items()
               if k[0] == "generate_until" and text.strip()]
     hf.loglikelihood(greedy, disable_tqdm=True)
-    del hf
     # The same loglikelihood requests in float64: the reference the values are held to.
     ll = sorted((k for k in hf_answers if k[0] == "loglikelihood"), key=repr)
-    exact = hf_lm(smollm2, dtype="float64").loglikelihood([SimpleNamespace(args=k[1]) for k in ll], disable_tqdm=True)
-    exact64 = {k: value for k, (value, _) in zip(ll, exact, strict=True)}
+    exact = float64_loglikelihoods(hf.model, encoded_pairs(hf, [SimpleNamespace(args=k[1]) for k in ll]),
+                                   hf.max_length)
+    exact64 = dict(zip(ll, exact, strict=True))
+    del hf
     lm, runner = tokenmill_lm(smollm2)
     answers = record_answers(lm)
     results = evaluate(lm)
