@@ -22,7 +22,7 @@ _STEPS = textwrap.dedent("""
     print(keep_freed_memory(sys.argv[1]))
 
     def steps():
-        for t in (2048, 1500, 2048, 900, 2048, 1800) * 3:
+        for t in (2048, 1500, 2048, 900, 2048, 1800):
             x = torch.ones(t, 256)
             for _ in range(4):
                 small = [torch.ones(64) for _ in range(10)]
@@ -67,8 +67,9 @@ def test_tuned_process_reuses_freed_activation_memory():
     left_alone, default = _faults("off")
     assert left_alone == "skipped: malloc_tuning=off"
     # Default glibc gives pages back between steps and faults them in again (at least the blocks
-    # above its largest adaptive mmap threshold: ~18 x 10,000 pages here); tuned, it keeps them.
-    assert default > 100_000 and tuned < default / 20, (tuned, default)
+    # above its largest adaptive mmap threshold: ~6 x 10,000 pages a pass here; 112,000 faults in
+    # all on a 2-core EPYC); tuned, it keeps them (0 there).
+    assert default > 50_000 and tuned < default / 20, (tuned, default)
 
 
 @pytest.mark.parametrize(("env", "why"), [
