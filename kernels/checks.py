@@ -110,7 +110,7 @@ def attention_error(case: AttentionCase, dtype: torch.dtype, device, seed: int =
     return max_error(out, ref)
 
 
-def kv_write_mismatches(dtype: torch.dtype, device, seed: int = 0) -> int:
+def kv_write_mismatches(dtype: torch.dtype, device, seed: int = 0, tokens_per_program: int | None = None) -> int:
     """Elements that differ from the reference after writing into a dirty cache (incl. -1 slots)."""
     gen = torch.Generator().manual_seed(seed)
     num_blocks, block_size, kv_heads, head_dim = 7, 4, 3, 40
@@ -122,7 +122,7 @@ def kv_write_mismatches(dtype: torch.dtype, device, seed: int = 0) -> int:
     cache_k = torch.randn((num_blocks, block_size, kv_heads, head_dim), generator=gen).to(device=device, dtype=dtype)
     cache_v = torch.randn_like(cache_k)
     ref_k, ref_v = cache_k.clone(), cache_v.clone()
-    kv_write(key, value, cache_k, cache_v, slots)
+    kv_write(key, value, cache_k, cache_v, slots, tokens_per_program)
     kv_write_ref(key, value, ref_k, ref_v, slots)
     return int((cache_k != ref_k).sum().item() + (cache_v != ref_v).sum().item())
 

@@ -122,7 +122,7 @@ def record_launches(quick: bool = False) -> list[Launch]:
             label(str(dtype))()
             k = torch.zeros(4, 8, 64, dtype=dtype)
             cache = torch.zeros(10, 16, 8, 64, dtype=dtype)
-            kv_mod.kv_write(k, k, cache, cache.clone(), torch.arange(4))
+            kv_mod.kv_write(k, k, cache, cache.clone(), torch.arange(4), tokens_per_program=1)  # the GPU's tiling
             x = torch.zeros(3, 2048, dtype=dtype)
             rms_mod.rms_norm(x, torch.ones(2048, dtype=dtype), 1e-5, residual=x.clone())
             rms_mod.rms_norm(x, torch.ones(2048, dtype=dtype), 1e-5)

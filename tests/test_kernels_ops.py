@@ -18,19 +18,25 @@ from tokenmill.kernels.silu_mul import silu_mul
 DTYPES = [torch.float32, torch.float16]
 
 
+# Tokens per program: the GPU's one, a tile that leaves the last program part-filled (9 tokens in
+# tiles of 4), and the interpreter's default (all 9 in one program).
+@pytest.mark.parametrize("tokens_per_program", [1, 4, None])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_kv_write_matches_reference_and_skips_padding(dtype):
-    assert kv_write_mismatches(dtype, "cpu") == 0
+def test_kv_write_matches_reference_and_skips_padding(dtype, tokens_per_program):
+    assert kv_write_mismatches(dtype, "cpu", tokens_per_program=tokens_per_program) == 0
 
 
-def test_kv_write_touches_only_mapped_slots():
+@pytest.mark.parametrize("tokens_per_program", [1, 2, None])
+def test_kv_write_touches_only_mapped_slots(tokens_per_program):
     cache_k = torch.zeros(3, 4, 2, 16)
     cache_v = torch.zeros(3, 4, 2, 16)
-    key = torch.ones(3, 2, 16)
-    kv_write(key, 2 * key, cache_k, cache_v, torch.tensor([5, -1, 11], dtype=torch.int32))
+    key = torch.arange(1, 4).view(3, 1, 1).expand(3, 2, 16).float()
+    kv_write(key, 2 * key, cache_k, cache_v, torch.tensor([5, -1, 11], dtype=torch.int32), tokens_per_program)
     written = cache_k.view(-1, 2, 16).abs().sum(dim=(1, 2)) > 0
     assert written.nonzero().flatten().tolist() == [5, 11]
-    assert torch.equal(cache_v.view(-1, 2, 16)[11], 2 * key[2])
+    assert torch.equal(cache_k.view(-1, 2, 16)[5], key[0]) and torch.equal(cache_v.view(-1, 2, 16)[11], 2 * key[2])
+    with pytest.raises(ValueError, match="power of two"):
+        kv_write(key, key, cache_k, cache_v, torch.tensor([5, -1, 11]), tokens_per_program=3)
 
 
 def test_kv_write_rejects_bad_shapes():
