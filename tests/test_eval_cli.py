@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from tests.fixtures.models import cache_with_built_kernels
 from tokenmill.cli import main as tokenmill
 
 TASKS = "tokenmill_mc,tokenmill_gen,tokenmill_ppl"
@@ -76,7 +77,7 @@ def test_an_s3_model_is_downloaded_into_the_cache_and_evaluated(tiny_llama_dir, 
     for f in tiny_llama_dir.iterdir():
         if f.is_file():
             client.upload_file(str(f), s3_bucket, f"models/tiny-llama/{f.name}")
-    monkeypatch.setenv("TOKENMILL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("TOKENMILL_CACHE", str(cache_with_built_kernels(tmp_path / "cache")))
     out = tmp_path / "results.json"
     code = tokenmill(["eval", "--model", f"s3://{s3_bucket}/models/tiny-llama/", "--tasks", "tokenmill_mc",
                       "--limit", "1", "--output", str(out), "--no-progress"])

@@ -14,6 +14,7 @@ import sys
 import pytest
 from transformers import AutoTokenizer
 
+from tests.fixtures.models import cache_with_built_kernels
 from tokenmill.engine import disk_cache, light_tokenizer
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.light_tokenizer import LightTokenizer
@@ -162,7 +163,7 @@ def tiny_llama():
 
 @pytest.fixture
 def own_cache(tmp_path, monkeypatch, tiny_llama):
-    monkeypatch.setenv("TOKENMILL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("TOKENMILL_CACHE", str(cache_with_built_kernels(tmp_path / "cache")))
     return tmp_path
 
 

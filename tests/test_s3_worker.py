@@ -8,6 +8,7 @@ from pathlib import Path
 import boto3
 import pytest
 
+from tests.fixtures.models import cache_with_built_kernels
 from tests.worker_helpers import make_topics, start_worker_process, stop_process, worker_command
 from tokenmill.cli import main
 
@@ -19,7 +20,7 @@ def test_worker_serves_a_checkpoint_from_s3(kafka_bootstrap, tiny_llama_dir, s3_
     for f in Path(tiny_llama_dir).iterdir():
         if f.is_file():
             client.upload_file(str(f), s3_bucket, f"models/tiny-llama/{f.name}")
-    cache = tmp_path / "cache"
+    cache = cache_with_built_kernels(tmp_path / "cache")
     monkeypatch.setenv("TOKENMILL_CACHE", str(cache))  # inherited by the worker process
     topics = asyncio.run(make_topics(kafka_bootstrap, "s3-worker"))
     model = f"s3://{s3_bucket}/models/tiny-llama/"
