@@ -55,6 +55,27 @@ def test_a_forked_child_is_killed_and_waited_for_like_a_popen(tmp_path):
     proc.kill()  # an ended process is not signalled again (its pid may be another's by now)
 
 
+def test_a_child_of_a_launcher_that_has_gone_is_not_taken_for_running(tmp_path):
+    proc = worker_launcher.start_process(_probe(tmp_path, "0", "60"), _env(), tmp_path / "probe.log")
+    try:
+        assert proc.poll() is None
+        proc._launcher._proc.kill()  # its exits can no longer be reported
+        deadline = time.monotonic() + 30
+        while proc._launcher.alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with pytest.raises(RuntimeError, match="launcher has gone"):
+            proc.poll()
+        with pytest.raises(RuntimeError, match="launcher has gone"):
+            proc.send_signal(signal.SIGTERM)
+        with pytest.raises(RuntimeError, match="launcher has gone"):
+            proc.wait(1)
+        # The next start gets a new launcher.
+        other = worker_launcher.start_process(_probe(tmp_path, "5"), _env(), tmp_path / "other.log")
+        assert other._launcher is not proc._launcher and other.wait(60) == 5
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)  # the orphan, still sleeping: the test knows it is its own
+
+
 def test_an_environment_libraries_read_at_load_gets_its_own_launcher_or_a_fresh_interpreter(tmp_path, monkeypatch):
     default = worker_launcher.start_process(_probe(tmp_path, "0"), _env(), tmp_path / "probe.log")
     assert default.wait(60) == 0 and _report(tmp_path)[0]["torch_threads"] == 1

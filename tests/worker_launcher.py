@@ -183,15 +183,21 @@ class Launcher:
                 return self._started.pop(0)
 
     def exit_code(self, pid: int) -> int | None:
+        """The child's exit code, None while it runs. Raises once the launcher has gone without
+        reporting it: the child's state is unknown from then on, and a signal sent to its pid could
+        reach another process that has the number now."""
         with self._changed:
-            return self._exits.get(pid)
+            return self._known_exit(pid)
 
     def wait_exit(self, pid: int, timeout: float | None) -> int | None:
         with self._changed:
             self._changed.wait_for(lambda: pid in self._exits or self._gone, timeout)
-            if pid not in self._exits and self._gone:
-                raise RuntimeError(f"the worker launcher has gone: {Path(self._log.name).read_text()[-2000:]}")
-            return self._exits.get(pid)
+            return self._known_exit(pid)
+
+    def _known_exit(self, pid: int) -> int | None:
+        if pid not in self._exits and self._gone:
+            raise RuntimeError(f"the worker launcher has gone: {Path(self._log.name).read_text()[-2000:]}")
+        return self._exits.get(pid)
 
     def _close(self) -> None:
         """At the test process's exit: the launcher ends when its socket closes; its log goes."""
