@@ -17,7 +17,14 @@ import urllib.request
 import pytest
 
 from tests.test_eval_cli import BOOTSTRAP, LIMIT, TASKS, in_process_metrics, metrics
-from tests.worker_helpers import end_offsets, make_topics, start_worker_process, stop_process, worker_command
+from tests.worker_helpers import (
+    end_offsets,
+    make_topics,
+    start_worker_process,
+    stop_process,
+    worker_command,
+    worker_metrics,
+)
 from tokenmill.cli import main as tokenmill
 from tokenmill.kafka.local_broker import free_port
 
@@ -25,20 +32,6 @@ pytestmark = pytest.mark.kafka
 
 JOB_PARTITIONS = 2
 SENT = re.compile(r"(\d+) job\(s\) sent, (\d+) answered from the state")
-
-
-def _metrics_of(port: int) -> dict[str, float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
-        text = r.read().decode()
-    out = {}
-    for line in text.splitlines():
-        name, _, value = line.partition(" ")
-        if not name.startswith("#") and "{" not in name:
-            try:
-                out[name] = float(value)
-            except ValueError:
-                pass
-    return out
 
 
 def _wait_serving(proc, port: int, log, partitions: int, timeout: float = 120) -> None:
@@ -49,7 +42,7 @@ def _wait_serving(proc, port: int, log, partitions: int, timeout: float = 120) -
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=2) as r:
                 ready = r.status == 200
-            if ready and _metrics_of(port).get("tokenmill_partitions_assigned") == partitions:
+            if ready and worker_metrics(port).get("tokenmill_partitions_assigned") == partitions:
                 return
         except OSError:
             pass
@@ -295,7 +288,7 @@ def test_two_workers_one_killed_halfway_lose_no_request(fleet, local_metrics, tm
         # Once b has answered some jobs and the run waits for more (jobs just sent, b's share of
         # them on its partition): SIGKILL, no drain, no commit; a takes its partition over.
         counts = _state_counts(state)
-        if counts[1] < counts[0] and _metrics_of(port_b).get("tokenmill_jobs_ok_total", 0) >= 1:
+        if counts[1] < counts[0] and worker_metrics(port_b).get("tokenmill_jobs_ok_total", 0) >= 1:
             b.send_signal(signal.SIGKILL)
             killed_at = counts
             break

@@ -9,8 +9,6 @@ import asyncio
 import os
 import signal
 import time
-import urllib.request
-from pathlib import Path
 
 import pytest
 
@@ -19,6 +17,7 @@ from tests.worker_helpers import (
     committed_offsets,
     end_offsets,
     job,
+    log_tail,
     make_topics,
     produce,
     read_topic,
@@ -27,7 +26,9 @@ from tests.worker_helpers import (
     start_worker_process,
     stop_process,
     wait_for,
+    wait_ready,
     worker_command,
+    worker_metrics,
     worker_settings,
 )
 
@@ -38,47 +39,11 @@ pytestmark = [*VLLM_MARKS, pytest.mark.kafka, pytest.mark.slow]
 VLLM_FLAGS = ("--backend", "vllm", "--cuda-graphs", "off", "--kv-cache-gb", "0.25")
 
 
-def _log_tail(path: Path, n: int = 4000) -> str:
-    try:
-        return path.read_text(errors="replace")[-n:]
-    except OSError:
-        return ""
-
-
-def _metrics(port: int) -> dict[str, float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
-        text = r.read().decode()
-    out = {}
-    for line in text.splitlines():
-        name, _, value = line.partition(" ")
-        if name in ("tokenmill_engine_running", "tokenmill_engine_waiting", "tokenmill_jobs_ok_total"):
-            out[name] = float(value)
-    return out
-
-
-def _ready(port: int) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=2) as r:
-            return r.status == 200
-    except OSError:
-        return False
-
-
-async def _wait_ready(proc, port: int, log: Path, timeout: float = 240) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"worker exited: {_log_tail(log)}"
-        if await asyncio.to_thread(_ready, port):
-            return
-        await asyncio.sleep(0.5)
-    raise TimeoutError(f"worker not ready within {timeout}s: {_log_tail(log)}")
-
-
 async def _when_mid_work(port: int, ok_before: float, timeout: float = 120) -> None:
     """Returns once the worker has answered some new jobs and has more in its engine."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        m = await asyncio.to_thread(_metrics, port)
+        m = await asyncio.to_thread(worker_metrics, port)
         if m["tokenmill_jobs_ok_total"] >= ok_before + 3 and m["tokenmill_engine_running"] + m[
                 "tokenmill_engine_waiting"] > 0:
             return
@@ -105,8 +70,8 @@ async def test_a_vllm_worker_killed_twice_with_kill_9_loses_no_job(kafka_bootstr
     proc = start_worker_process(cmd, log)
     try:
         for wave in waves[:2]:
-            await _wait_ready(proc, port, log)
-            ok_before = (await asyncio.to_thread(_metrics, port))["tokenmill_jobs_ok_total"]
+            await wait_ready(proc, port, log, timeout=240, interval=0.5)
+            ok_before = (await asyncio.to_thread(worker_metrics, port))["tokenmill_jobs_ok_total"]
             await produce(kafka_bootstrap, topics.jobs, wave)
             await _when_mid_work(port, ok_before)
             os.killpg(proc.pid, signal.SIGKILL)  # the whole process group: vLLM's own processes too
@@ -124,7 +89,7 @@ async def test_a_vllm_worker_killed_twice_with_kill_9_loses_no_job(kafka_bootstr
                                    timeout=240)
     results = results_by_job(records)
     missing = ids - set(results)
-    assert not missing, f"{len(missing)} jobs lost, e.g. {sorted(missing)[:5]}; {_log_tail(log)}"
+    assert not missing, f"{len(missing)} jobs lost, e.g. {sorted(missing)[:5]}; {log_tail(log)}"
     assert all(r["status"] == "ok" for rs in results.values() for r in rs)
     assert await committed_offsets(kafka_bootstrap, topics.group, topics.jobs, 2) == \
         await end_offsets(kafka_bootstrap, topics.jobs, 2)
@@ -200,8 +165,8 @@ async def test_a_dead_engine_core_ends_the_worker_and_its_jobs_go_to_another(kaf
     try:
         # vLLM is imported twice here (the worker, then its engine core's process): on a loaded 2-core
         # machine each import alone has taken 100 s.
-        await _wait_ready(proc, port, log, timeout=600)
-        await wait_for(lambda: _metrics(port)["tokenmill_engine_running"] > 0, 60, what="jobs running")
+        await wait_ready(proc, port, log, timeout=600, interval=0.5)
+        await wait_for(lambda: worker_metrics(port)["tokenmill_engine_running"] > 0, 60, what="jobs running")
         cores = [c for c in psutil.Process(proc.pid).children(recursive=True) if "EngineCore" in " ".join(
             c.cmdline() + [c.name()])]
         assert cores, [c.cmdline() for c in psutil.Process(proc.pid).children(recursive=True)]
@@ -212,7 +177,7 @@ async def test_a_dead_engine_core_ends_the_worker_and_its_jobs_go_to_another(kaf
         seconds = time.monotonic() - t0
     finally:
         stop_process(proc, signal.SIGKILL)
-    assert code == 1, _log_tail(log)
+    assert code == 1, log_tail(log)
     assert seconds < 60  # 5-20 s here: the watchdog sees the death within a second, the rest is the drain and exit
     assert "engine failed" in log.read_text(errors="replace")
     published = results_by_job(await read_topic(kafka_bootstrap, topics.results, lambda r: False, timeout=2))

@@ -14,13 +14,16 @@ from tests.worker_helpers import (
     committed_offsets,
     end_offsets,
     job,
+    log_tail,
     make_topics,
     produce,
     read_topic,
     results_by_job,
     start_worker_process,
     stop_process,
+    wait_ready,
     worker_command,
+    worker_metrics,
 )
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
@@ -41,13 +44,6 @@ async def _wait_some_results(bootstrap, topic, job_ids: set[str], at_least: int,
     raise TimeoutError(f"fewer than {at_least} results within {timeout}s")
 
 
-def _log_tail(path, n=3000) -> str:
-    try:
-        return path.read_text(errors="replace")[-n:]
-    except OSError:
-        return ""
-
-
 async def test_sigterm_finishes_in_flight_jobs_commits_and_exits_0(kafka_bootstrap, tiny_llama_dir, tmp_path):
     topics = await make_topics(kafka_bootstrap, "sigterm", partitions=1)
     # Enough jobs that the signal surely lands mid-run: the tiny model answers ~200 jobs a second,
@@ -66,7 +62,7 @@ async def test_sigterm_finishes_in_flight_jobs_commits_and_exits_0(kafka_bootstr
         code = proc.wait(90)
     finally:
         stop_process(proc, signal.SIGKILL)
-    assert code == 0, _log_tail(log)
+    assert code == 0, log_tail(log)
     committed = (await committed_offsets(kafka_bootstrap, topics.group, topics.jobs, 1))[0]
     results = results_by_job(await read_topic(kafka_bootstrap, topics.results, lambda r: False, timeout=2))
     offsets = sorted(r[0]["source"]["offset"] for r in results.values())
@@ -79,47 +75,14 @@ async def test_sigterm_finishes_in_flight_jobs_commits_and_exits_0(kafka_bootstr
     assert drained and drained[0]["abandoned"] == 0
 
 
-def _ready(port: int) -> bool:
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=2) as r:
-            return r.status == 200
-    except OSError:
-        return False
-
-
-async def _wait_ready(proc, port: int, log, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"worker exited: {_log_tail(log)}"
-        if await asyncio.to_thread(_ready, port):
-            return
-        await asyncio.sleep(0.3)
-    raise TimeoutError(f"worker not ready within {timeout}s: {_log_tail(log)}")
-
-
-def _worker_metrics(port: int) -> dict[str, float]:
-    import urllib.request
-
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
-        text = r.read().decode()
-    out = {}
-    for line in text.splitlines():
-        name, _, value = line.partition(" ")
-        if name in ("tokenmill_engine_running", "tokenmill_engine_waiting", "tokenmill_jobs_ok_total"):
-            out[name] = float(value)
-    return out
-
-
 async def _metrics_of(proc, port: int, log) -> dict[str, float]:
     """The worker's metrics; a worker that stopped answering is reported with its state and log."""
     try:
-        return await asyncio.to_thread(_worker_metrics, port)
+        return await asyncio.to_thread(worker_metrics, port)
     except OSError as exc:
         await asyncio.sleep(1)  # an exit just now: let its code and last lines arrive
         raise AssertionError(f"worker's /metrics on port {port} failed ({exc!r}); exit code {proc.poll()}; "
-                             f"its log: {_log_tail(log)}") from exc
+                             f"its log: {log_tail(log)}") from exc
 
 
 async def _kill_mid_work(proc, port: int, log, ok_before: float, timeout: float = 30) -> float:
@@ -169,7 +132,7 @@ async def _crash_run(bootstrap, model_dir, tmp_path, exactly_once: bool):
     killed = 0
     try:
         for name in "ab":
-            await _wait_ready(procs[name], ports[name], logs[name])
+            await wait_ready(procs[name], ports[name], logs[name])
         for w, wave in enumerate(waves):
             name = "ab"[killed % 2]
             if 1 <= w <= kills:
@@ -181,14 +144,14 @@ async def _crash_run(bootstrap, model_dir, tmp_path, exactly_once: bool):
                 assert procs[name].wait(30) == -signal.SIGKILL
                 killed += 1
                 procs[name] = start_worker_process(cmd(name), logs[name])
-                await _wait_ready(procs[name], ports[name], logs[name])
+                await wait_ready(procs[name], ports[name], logs[name])
         results = await _results(bootstrap, topics.results, n_jobs, timeout=240, read_committed=exactly_once)
         for name, proc in procs.items():
-            assert proc.poll() is None, f"worker {name} exited: {_log_tail(logs[name])}"
+            assert proc.poll() is None, f"worker {name} exited: {log_tail(logs[name])}"
     finally:
         codes = {name: stop_process(p) for name, p in procs.items()}
     assert killed == kills
-    assert codes == {"a": 0, "b": 0}, {n: _log_tail(logs[n]) for n in procs}
+    assert codes == {"a": 0, "b": 0}, {n: log_tail(logs[n]) for n in procs}
     missing = {j["job_id"] for j in all_jobs} - set(results)
     assert not missing, f"{len(missing)} jobs without a Result, e.g. {sorted(missing)[:5]}"
     duplicates = sum(len(v) - 1 for v in results.values())
@@ -230,14 +193,14 @@ async def test_broker_restart_mid_run_loses_nothing(tiny_llama_dir, tmp_path):
         await _wait_some_results(bootstrap, topics.results, {j["job_id"] for j in first}, 20, timeout=90)
         await asyncio.to_thread(broker.stop, 60)
         await asyncio.sleep(4)  # the worker keeps generating, publishing fails and retries
-        assert proc.poll() is None, _log_tail(tmp_path / "w.log")
+        assert proc.poll() is None, log_tail(tmp_path / "w.log")
         await asyncio.to_thread(broker.start, 180, os.getpid(), False)
         await produce(bootstrap, topics.jobs, second)
         results = await _results(bootstrap, topics.results, 160, timeout=180)
         assert proc.poll() is None, "the worker exited during the broker restart"
         missing = {j["job_id"] for j in first + second} - set(results)
         assert not missing, f"lost {len(missing)} jobs: {sorted(missing)[:5]}"
-        assert stop_process(proc) == 0, _log_tail(tmp_path / "w.log")
+        assert stop_process(proc) == 0, log_tail(tmp_path / "w.log")
         proc = None
         assert await committed_offsets(bootstrap, topics.group, topics.jobs, 2) == await end_offsets(
             bootstrap, topics.jobs, 2)
@@ -275,7 +238,7 @@ async def test_a_job_that_kills_its_worker_every_time_is_dead_lettered_after_3_a
     try:
         while time.monotonic() - t0 < 150:
             if proc.poll() is not None:
-                assert proc.returncode == -signal.SIGKILL, _log_tail(log)
+                assert proc.returncode == -signal.SIGKILL, log_tail(log)
                 deaths += 1
                 assert deaths <= 3, f"the killer ran more than 3 times: {ran.read_text()}"
                 proc = start_worker_process(cmd, log)
@@ -285,11 +248,11 @@ async def test_a_job_that_kills_its_worker_every_time_is_dead_lettered_after_3_a
             if set(results) >= ids:
                 break
         assert set(results) >= ids, f"no Result for {sorted(ids - set(results))} after {deaths} deaths"
-        assert proc.poll() is None, _log_tail(log)
+        assert proc.poll() is None, log_tail(log)
     finally:
         code = stop_process(proc)
     seconds = time.monotonic() - t0
-    assert code == 0, _log_tail(log)
+    assert code == 0, log_tail(log)
     assert deaths == 3 and len(ran.read_text().splitlines()) == 3
     (answer,) = results[killer_id]
     assert (answer["status"], answer["error"]["code"]) == ("error", "crashed_worker"), answer

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -226,3 +227,43 @@ class FakeEngineThread:
 
     def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
+
+
+# -- a worker process seen from outside: its HTTP endpoints and its log ------------------------------
+def log_tail(path: Path, n: int = 4000) -> str:
+    try:
+        return Path(path).read_text(errors="replace")[-n:]
+    except OSError:
+        return ""
+
+
+def worker_metrics(port: int) -> dict[str, float]:
+    """The unlabelled samples of a worker's /metrics, by name."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
+        text = r.read().decode()
+    out = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if not name.startswith("#") and "{" not in name:
+            with contextlib.suppress(ValueError):
+                out[name] = float(value)
+    return out
+
+
+def worker_ready(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+async def wait_ready(proc, port: int, log: Path, timeout: float = 120, interval: float = 0.3) -> None:
+    """Until the worker process answers /readyz; fails with its log if it exits first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"worker exited: {log_tail(log)}"
+        if await asyncio.to_thread(worker_ready, port):
+            return
+        await asyncio.sleep(interval)
+    raise TimeoutError(f"worker not ready within {timeout}s: {log_tail(log)}")
