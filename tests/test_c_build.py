@@ -41,6 +41,19 @@ def test_every_source_compiles_with_the_production_flags_and_no_warning(source, 
 
 @pytest.mark.slow
 @pytest.mark.skipif(build.find_compiler() is None, reason="no C compiler")
+@pytest.mark.parametrize("march", ["-march=x86-64-v3", "-march=x86-64-v4"], ids=["avx2", "avx512"])
+def test_the_fixed_order_gemm_compiles_its_avx2_and_avx512_tiles_without_a_warning(march, tmp_path):
+    """invariant_gemm.c has a tile for AVX2 and one for AVX-512, and a CPU builds only its own: both
+    are compiled here whatever this CPU has (compiled, not run)."""
+    flags = [march if f == "-march=native" else f for f in build.FLAGS] + build.OPENMP_FLAGS + WARNINGS
+    source = build.CSRC / "invariant_gemm.c"
+    proc = subprocess.run(build.compile_command(build.find_compiler(), flags, source, tmp_path / "lib.so"),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(build.find_compiler() is None, reason="no C compiler")
 @pytest.mark.parametrize("source", SOURCES, ids=[p.stem for p in SOURCES])
 def test_every_source_builds_without_openmp(source, tmp_path):
     """The fallback build of a compiler without OpenMP (its pragmas ignored, so not warning-free)."""

@@ -28,6 +28,17 @@ def test_every_output_is_the_fma_chain_in_order_plus_the_bias():
     assert packed.linear(x[:0]).shape == (0, 21)
 
 
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 32, 33, 47, 48, 80])
+def test_every_tile_shape_gives_the_fma_chain(n):
+    """Row counts 1 to 25 (every tile height of the AVX2 and AVX-512 kernels, and their remainders)
+    against column counts that end in a full panel, a part-filled one, a pair of panels or one alone."""
+    x, w, b = _data(25, 40, n, seed=4)
+    packed = InvariantWeight(w)
+    want = fma_chain_reference(x, w) + b
+    for rows in range(1, 26):
+        assert torch.equal(packed.linear(x[:rows], b), want[:rows]), rows
+
+
 @pytest.mark.parametrize("k,n", [(256, 512), (688, 256), (96, 1000)])
 def test_a_row_gets_the_same_bits_alone_among_others_and_at_any_thread_count(k, n):
     x, w, b = _data(600, k, n, seed=1)
