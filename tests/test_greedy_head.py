@@ -9,7 +9,7 @@ from tokenmill.engine import Engine, EngineConfig
 from tokenmill.engine.attention.torch_backend import TorchAttentionBackend
 from tokenmill.engine.loader import load_model
 from tokenmill.engine.model_runner import GreedyIds, ModelRunner
-from tokenmill.engine.sampler import greedy_argmax
+from tokenmill.engine.sampler import Sampler, SamplingInputs, greedy_argmax, logit_edits
 from tokenmill.engine.types import EngineRequest, SamplingParams
 from tokenmill.kernels.cpu import gemm, greedy_screen
 
@@ -242,3 +242,97 @@ def test_greedy_choices_take_the_screen_once_forked(tiny_llama_dir, monkeypatch)
     assert {rid: [c.token_ids for c in d.choices] for rid, d in on.items()} == {
         rid: [c.token_ids for c in d.choices] for rid, d in off.items()}
     assert GreedyIds.__name__ in calls_on
+
+
+def _bitmask(allowed: torch.Tensor) -> torch.Tensor:
+    """llguidance's int32 bitmask [K, W] of a bool [K, V] (V a multiple of 32): bit j of word w allows 32 w + j."""
+    words = (allowed.view(allowed.shape[0], -1, 32).long() << torch.arange(32)).sum(dim=2)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def _edited_inputs(full: torch.Tensor, kind: str, g: torch.Generator) -> list[SamplingInputs]:
+    """One SamplingInputs per row whose penalties (or min_tokens block) touch the row's best logits,
+    so that the edits change the argmax in many rows."""
+    rows, vocab = full.shape
+    top = full.topk(6, dim=1).indices
+    inputs = []
+    for r in range(rows):
+        seen = top[r, : 1 + r % 5].tolist() + torch.randint(0, vocab, (20,), generator=g).tolist()
+        params = dict(max_tokens=200, temperature=0.0)
+        if kind in ("penalties", "both"):
+            params.update(repetition_penalty=1.0 + 0.2 * (r % 4), frequency_penalty=0.3 * (r % 3),
+                          presence_penalty=0.5 if r % 2 else 0.0)
+        eos = [int(top[r, 0])]
+        if kind in ("min_tokens", "both"):
+            params.update(min_tokens=100, stop_token_ids=[int(top[r, 1])])
+        inputs.append(SamplingInputs(SamplingParams(**params), prompt_token_ids=seen[::2],
+                                     output_token_ids=seen[1::2] + seen[1:3], eos_token_ids=eos))
+    return inputs
+
+
+@pytest.mark.parametrize("kind", ["penalties", "min_tokens", "both"])
+def test_penalised_and_blocked_rows_get_the_samplers_token_from_the_screen(kind):
+    """Greedy rows with penalties or a min_tokens block: the screen holds their edited positions out,
+    computes those exactly and edits them as the sampler does; the token is the sampler's on the full
+    head's logits, at every row count, with a constraint's mask too."""
+    weight = _head(4096, 256, seed=12)
+    packed = gemm.pack(weight)
+    screen = greedy_screen.GreedyScreen.build(weight, packed)
+    g = torch.Generator().manual_seed(13)
+    x = torch.randn(64, 256, generator=g)
+    full = gemm.linear(x, weight, None, packed)
+    inputs = _edited_inputs(full, kind, g)
+    sampler = Sampler(seed=0)
+    want = torch.tensor([t.token_id for t in sampler(full.clone(), inputs)])
+    assert not torch.equal(want, greedy_argmax(full))  # the edits changed some rows' tokens
+    for rows in (1, 5, 64):
+        got = screen.greedy_ids(x[:rows], None, logit_edits(inputs[:rows], 4096, torch.device("cpu")))
+        assert got is not None and torch.equal(got, want[:rows]), rows
+    # Under a constraint on every other row that allows every other id (so some penalised ids and
+    # not others), given as the bitmask the screen's C kernel reads.
+    allowed = torch.ones(64, 4096, dtype=torch.bool)
+    allowed[::2, 1::2] = False
+    masked = full.masked_fill(~allowed, float("-inf"))
+    want_masked = torch.tensor([t.token_id for t in sampler(masked, inputs)])
+    bitmask = _bitmask(allowed[::2])
+    rows = torch.tensor([r // 2 if r % 2 == 0 else -1 for r in range(64)])
+    got = screen.greedy_ids(x, lambda n: (bitmask, rows[:n]), logit_edits(inputs, 4096, torch.device("cpu")))
+    assert got is not None and torch.equal(got, want_masked)
+    assert not torch.equal(want_masked, want)
+
+
+def test_a_penalised_logit_equal_to_the_best_untouched_one_resolves_to_the_lower_id():
+    """Exact ties between a penalised position and the screen's best: the lower id, as torch.argmax
+    over the edited row."""
+    weight = _head(1024, 64, seed=14)
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(15))
+    low, high = 100, 900
+    weight[low] = weight[high] = x[0] / x[0].norm() * 2  # row 0's best, twice: the same logit's bits
+    packed = gemm.pack(weight)
+    screen = greedy_screen.GreedyScreen.build(weight, packed)
+    full = gemm.linear(x, weight, None, packed)
+    assert full[0, low] == full[0, high] == full[0].max()
+    for penalised in (low, high):
+        # A frequency penalty below half an ulp of the logit: the edited value is the raw one.
+        inputs = [SamplingInputs(SamplingParams(max_tokens=4, temperature=0.0, frequency_penalty=1e-30),
+                                 [], [penalised], []) for _ in range(2)]
+        edits = logit_edits(inputs, 1024, torch.device("cpu"))
+        assert edits.penalised.numel() == 2
+        want = torch.tensor([t.token_id for t in Sampler(seed=0)(full.clone(), inputs)])
+        got = screen.greedy_ids(x, None, edits)
+        assert got is not None and torch.equal(got, want)
+        assert int(want[0]) == low
+
+
+def test_engine_penalised_greedy_outputs_are_the_same_with_and_without_the_screen(tiny_llama_dir, monkeypatch):
+    """Greedy rows with repetition, frequency and presence penalties and min_tokens take the screen
+    (GreedyIds) and give the tokens of the full head and the sampler."""
+    requests = [EngineRequest(request_id=f"p{i}", prompt_token_ids=[(7 * i + 3 * j) % 40 + 10 for j in range(9)],
+                              sampling=SamplingParams(max_tokens=16, temperature=0.0, repetition_penalty=1.3,
+                                                      frequency_penalty=0.4 * (i % 3), presence_penalty=0.5,
+                                                      min_tokens=3 * (i % 2)))
+                for i in range(10)]
+    on, calls_on, _ = _generate(tiny_llama_dir, requests, monkeypatch, True)
+    off, calls_off, _ = _generate(tiny_llama_dir, requests, monkeypatch, False)
+    assert on == off
+    assert GreedyIds.__name__ in calls_on and GreedyIds.__name__ not in calls_off

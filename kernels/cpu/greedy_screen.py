@@ -30,9 +30,12 @@ How, for one row with hidden state h (float32) and LM-head rows w_j:
 
 A row whose hidden state or screen is not finite, or that keeps more than MAX_CANDIDATES candidates,
 sends its step to the full head; a screen that does so in more than a quarter of its first steps (a
-trained head whose bound is too loose to narrow it) turns itself off. Only plain greedy rows come
-here (no logprobs, penalties or min_tokens: the caller checks); they need the argmax only. A row under
-a constraint's token mask is masked on the screen: its disallowed ids are -inf there, never candidates.
+trained head whose bound is too loose to narrow it) turns itself off. Only greedy rows without
+logprobs come here (the caller checks); they need the argmax only. A row under a constraint's token
+mask has its disallowed ids skipped by the C kernel: never the screen's maximum, never candidates.
+A row with penalties or a min_tokens block has those few positions held out of the screen: their
+exact float32 logits are computed and edited as the sampler edits them, and compared with the
+screen's best.
 Off with the engine's `greedy_screen` setting (paths.py), and wherever oneDNN has no bfloat16 GEMM or
 the C kernel (csrc/greedy_screen.c) cannot be built: then every row takes the full head.
 """
@@ -42,11 +45,20 @@ from __future__ import annotations
 import ctypes
 import logging
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from tokenmill.kernels.cpu import gemm
 from tokenmill.kernels.cpu.build import OnDemandLibrary
+
+if TYPE_CHECKING:
+    from tokenmill.engine.sampler import LogitEdits
+
+# A constraint for the screen's rows: given the row count N, (int32 bitmask [K, W] in llguidance's
+# layout: bit j of word w allows id 32 w + j, ids past 32 W disallowed; int64 [N]: each row's row of
+# the bitmask, -1 for a row without a constraint).
+AllowedIds = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +66,7 @@ log = logging.getLogger(__name__)
 def _declare(lib: ctypes.CDLL) -> None:
     i64, ptr, f64 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_double
     lib.greedy_from_screen.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, ptr, ptr, f64, f64, f64, f64, f64, f64,
-                                       i64, i64, ptr, ptr]
+                                       i64, i64, ptr, ptr, ptr, i64, ptr]
     lib.greedy_from_screen.restype = None
     lib.logits_at.argtypes = [ptr, i64, ptr, i64, i64, ptr, ptr, i64, ptr]
     lib.logits_at.restype = None
@@ -156,12 +168,15 @@ class GreedyScreen:
             _warm_every_row_count(weight, packed)
         return cls(weight, packed, k_block, lib)
 
-    def greedy_ids(self, hidden: torch.Tensor, mask: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor | None:
+    def greedy_ids(self, hidden: torch.Tensor, allowed: AllowedIds | None = None,
+                   edits: LogitEdits | None = None) -> torch.Tensor | None:
         """int64 [N]: the argmax of hidden [N, K] @ weight.T that the full float32 head gives; None when
-        a row is not finite (the caller takes the full head). `mask` (a structured-output constraint)
-        sets the disallowed ids of each row of the screen to -inf in place: the screen's maximum is
-        then the best allowed one, no disallowed id is a candidate, and the token is the full head's
-        argmax over the allowed ids."""
+        a row is not finite (the caller takes the full head). `allowed` (a structured-output
+        constraint: allowed(N) gives its bitmask and each row's row of it, see AllowedIds) restricts a
+        row to its allowed ids in the C kernel, nothing written: the screen's maximum is the best
+        allowed one, no disallowed id is a candidate, and the token is the full head's argmax over the
+        allowed ids. `edits` (penalties, min_tokens: the sampler's LogitEdits) change a few positions
+        of the logits before the argmax: see _with_edits."""
         if not self.enabled:
             return None
         hidden = hidden.float().contiguous()
@@ -170,14 +185,23 @@ class GreedyScreen:
         if n == 0:
             return ids
         screen = gemm.linear(hidden.to(torch.bfloat16), self.weight, None, self.packed).contiguous()
-        if mask is not None:
-            mask(screen)
+        bitmask = allow_row = None
+        if allowed is not None:
+            bitmask, allow_row = allowed(n)
+            bitmask, allow_row = bitmask.contiguous(), allow_row.to(torch.int64).contiguous()
+            if bitmask.dtype != torch.int32 or bitmask.dim() != 2 or allow_row.shape != (n,):
+                raise ValueError("allowed(n) must give an int32 bitmask [K, W] and int64 rows [n]")
+        penalised_allowed = None
+        if edits is not None:
+            penalised_allowed = _screen_out_edits(screen, edits, bitmask, allow_row)
         cand = torch.empty(n, dtype=torch.int64)
         self._lib.greedy_from_screen(
             screen.data_ptr(), screen.stride(0), hidden.data_ptr(), hidden.stride(0),
             self.weight.data_ptr(), self.vocab, self.hidden, self.k_block, self.col_bf16_norm.data_ptr(),
             self.col_rest.data_ptr(), self.col_bf16_norm_max, self.col_rest_max, self.gamma,
             self.d_rel, self.abs_term, self.w_max, MAX_CANDIDATES, n, ids.data_ptr(), cand.data_ptr(),
+            None if bitmask is None else bitmask.data_ptr(), 0 if bitmask is None else bitmask.shape[1],
+            None if allow_row is None else allow_row.data_ptr(),
         )
         self.calls += 1
         if bool((cand < 0).any()):
@@ -188,7 +212,43 @@ class GreedyScreen:
                          self.fallbacks, self.calls)
             return None
         self.last_candidates = int(cand.sum())
+        if edits is not None and edits.penalised is not None:
+            return self._with_edits(hidden, ids, edits, penalised_allowed)
         return ids
+
+    def _with_edits(self, hidden: torch.Tensor, ids: torch.Tensor, edits: LogitEdits,
+                    allowed: torch.Tensor) -> torch.Tensor | None:
+        """Each row's argmax after the penalties, from `ids`, the full head's argmax over the row's
+        positions that no edit touches (the screen held the edited ones at -inf).
+
+        The penalised positions' logits are computed exactly (logits_at: the full head's bits), then
+        penalised as the sampler does (the same elementwise float32 operations on the same raw
+        logits); the token is the larger of their best and the untouched best, the lower id on a
+        tie, which is torch.argmax's answer over the whole edited row. None (the full head) when an
+        exact logit is not finite."""
+        pos = edits.penalised
+        rows, cols = pos // self.vocab, pos % self.vocab
+        raw = self._logits_at(hidden, rows, cols)
+        best_raw = self._logits_at(hidden, torch.arange(ids.numel()), ids)
+        if not (bool(torch.isfinite(raw).all()) and bool(torch.isfinite(best_raw).all())):
+            return None
+        values = edits.penalised_values(raw)
+        # Disallowed by the constraint (the screen's -inf before the edits) or blocked by min_tokens.
+        values = torch.where(allowed, values, torch.tensor(float("-inf")))
+        n = ids.numel()
+        best = torch.full((n,), float("-inf")).scatter_reduce(0, rows, values, "amax")
+        at_best = values == best[rows]
+        best_id = torch.full((n,), self.vocab, dtype=torch.int64).scatter_reduce(0, rows[at_best], cols[at_best], "amin")
+        edited_wins = (best > best_raw) | ((best == best_raw) & (best_id < ids))
+        return torch.where(edited_wins, best_id, ids)
+
+    def _logits_at(self, hidden: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+        """float32 [P]: the full head's logits of (hidden row, weight row) pairs, bit for bit."""
+        rows, cols = rows.contiguous(), cols.contiguous()
+        out = torch.empty(rows.numel())
+        self._lib.logits_at(hidden.data_ptr(), hidden.stride(0), self.weight.data_ptr(), self.hidden, self.k_block,
+                            rows.data_ptr(), cols.data_ptr(), rows.numel(), out.data_ptr())
+        return out
 
     def bound(self, hidden: torch.Tensor, screen: torch.Tensor) -> torch.Tensor:
         """float64 [N, V]: the eps_j of every row and column, as greedy_from_screen takes it (tests)."""
@@ -198,6 +258,32 @@ class GreedyScreen:
         a = torch.linalg.vector_norm(h - h_b, dim=1, keepdim=True) + self.gamma * torch.linalg.vector_norm(h_b, dim=1, keepdim=True)
         return (a * self.col_bf16_norm.double() + norm * self.col_rest.double() + self.d_rel * screen.double().abs()
                 + self.abs_term * (norm + self.w_max + 1.0))
+
+
+def _screen_out_edits(screen: torch.Tensor, edits: LogitEdits, bitmask: torch.Tensor | None,
+                      allow_row: torch.Tensor | None) -> torch.Tensor | None:
+    """Sets every position an edit touches to -inf on the screen, so that the screen finds the best
+    of the rest; returns, per penalised position, whether it is allowed (by the constraint's bitmask
+    where its row has one, and not blocked by min_tokens), or None where no position is penalised."""
+    flat = screen.view(-1)
+    allowed = None
+    if edits.penalised is not None:
+        allowed = torch.ones(edits.penalised.numel(), dtype=torch.bool)
+        if bitmask is not None:
+            rows, cols = edits.penalised // edits.vocab, edits.penalised % edits.vocab
+            which = allow_row[rows]
+            words = cols // 32
+            constrained = which >= 0
+            inside = words < bitmask.shape[1]
+            word = bitmask[which.clamp(min=0), words.clamp(max=bitmask.shape[1] - 1)]
+            bit = ((word >> (cols % 32).to(torch.int32)) & 1) != 0
+            allowed = ~constrained | (inside & bit)
+        if edits.blocked is not None:
+            allowed &= ~torch.isin(edits.penalised, edits.blocked)
+        flat[edits.penalised] = float("-inf")
+    if edits.blocked is not None:
+        flat[edits.blocked] = float("-inf")
+    return allowed
 
 
 def _warm_every_row_count(weight: torch.Tensor, packed_bf16: torch.Tensor) -> None:

@@ -45,8 +45,9 @@ from tokenmill.engine.cpu.host_memory import HUGE_PAGE
 from tokenmill.engine.cpu.step_parts import StepPartPool, plan_parts
 from tokenmill.engine.cuda_graphs import DecodeGraphRunner, capture_sizes
 from tokenmill.engine.request import PENDING_TOKEN, Request
-from tokenmill.engine.sampler import Sampler
+from tokenmill.engine.sampler import LogitEdits, Sampler, SamplingInputs, logit_edits
 from tokenmill.engine.scoring import ScoreRows, record_scores, score_rows
+from tokenmill.kernels.cpu.greedy_screen import AllowedIds
 
 if TYPE_CHECKING:
     from tokenmill.engine.scheduler import SchedulerOutput
@@ -583,14 +584,15 @@ class ModelRunner:
         # the calling thread runs no parallel region of its own in such a step: under OpenMP's
         # default wait policy its idle team would spin on a core the parts need.
         want_ids = bool(stats.sample_requests) and argmax_ok and Sampler.argmax_is_enough(
-            [r.sampling_inputs for r in stats.sample_requests])
+            [r.sampling_inputs for r in stats.sample_requests], edits_ok=True)
         t0 = time.perf_counter()
         # Each part's screen takes its own rows of the step's mask: those from its first sampling row.
         firsts = np.cumsum([0] + [len(p[4].sample_requests) for p in parts[:-1]]).tolist()
-        masks = [None if token_mask is None else functools.partial(token_mask.apply, first_row=f) for f in firsts]
+        masks = [None if token_mask is None else functools.partial(token_mask.allowed, first_row=f) for f in firsts]
+        edits = [_edits_for([r.sampling_inputs for r in p[4].sample_requests]) for p in parts]
         with torch.inference_mode():
-            done = self.step_parts.map(self._part, [(*p[:4], want_ids and bool(p[4].sample_requests), m)
-                                                    for p, m in zip(parts, masks, strict=True)])
+            done = self.step_parts.map(self._part, [(*p[:4], want_ids and bool(p[4].sample_requests), m, e)
+                                                    for p, m, e in zip(parts, masks, edits, strict=True)])
             hidden = torch.cat([h for h, _ in done])
             ids = [i for _, i in done]
             if want_ids and all(i is not None for i, p in zip(ids, parts, strict=True) if p[4].sample_requests):
@@ -604,11 +606,13 @@ class ModelRunner:
         return result, stats
 
     def _part(self, input_ids, positions, meta, output_rows, want_ids: bool,
-              mask: Callable[[torch.Tensor], None] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+              allowed: AllowedIds | None,
+              edits_for: Callable[[int], LogitEdits | None] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One part of a split step, on its pool thread: its output rows, and their greedy ids (under
-        the part's rows of the step's mask) when wanted and the screen finds them (else None)."""
+        the part's rows of the step's mask, after its rows' penalties) when wanted and the screen
+        finds them (else None)."""
         hidden = self._body(input_ids, positions, meta, output_rows)
-        return hidden, self.model.greedy_ids(hidden, mask) if want_ids else None
+        return hidden, self.model.greedy_ids(hidden, allowed, edits_for) if want_ids else None
 
     def _body(self, input_ids, positions, meta, output_rows) -> torch.Tensor:
         return self.model(input_ids, positions, meta, self.kv_caches, output_rows)
@@ -632,8 +636,9 @@ class ModelRunner:
         num_samples = len(stats.sample_requests)
         if not num_samples:
             return None
-        if argmax_ok and Sampler.argmax_is_enough([r.sampling_inputs for r in stats.sample_requests]):
-            ids = self.model.greedy_ids(hidden, None if token_mask is None else token_mask.apply)
+        inputs = [r.sampling_inputs for r in stats.sample_requests]
+        if argmax_ok and Sampler.argmax_is_enough(inputs, edits_ok=True):
+            ids = self.model.greedy_ids(hidden, None if token_mask is None else token_mask.allowed, _edits_for(inputs))
             if ids is not None:
                 return GreedyIds(ids)
         return self.model.compute_logits(hidden, out=self._logits_buffer(hidden))
@@ -650,3 +655,12 @@ def _joined(parts: Sequence[StepInputs]) -> StepInputs:
         live_tokens=sum(p.live_tokens for p in parts),
         slots_allocated=sum(p.slots_allocated for p in parts),
     )
+
+
+def _edits_for(inputs: list[SamplingInputs]) -> Callable[[int], LogitEdits | None] | None:
+    """For greedy rows: None when no row has penalties or a min_tokens block (their argmax is the
+    logits' own), else what builds the step's LogitEdits for a vocabulary (the greedy screen asks
+    only where it runs, so a CPU without one does not build them twice)."""
+    if Sampler.argmax_is_enough(inputs):
+        return None
+    return functools.partial(logit_edits, inputs, device=torch.device("cpu"))

@@ -263,17 +263,16 @@ class Sampler:
         return logits.float().contiguous()
 
     @staticmethod
-    def argmax_is_enough(inputs: Sequence[SamplingInputs], logprobs_ok: bool = False) -> bool:
+    def argmax_is_enough(inputs: Sequence[SamplingInputs], logprobs_ok: bool = False, edits_ok: bool = False) -> bool:
         """Every row is plain greedy (no logprobs unless `logprobs_ok`, no penalties or min_tokens
-        blocking): its token is the argmax of its logits (masked first where the step has a token
-        mask)."""
+        blocking unless `edits_ok`): its token is the argmax of its logits (masked first where the
+        step has a token mask; with `edits_ok`, after the step's logit_edits)."""
         for inp in inputs:
             p = inp.params
             if (
                 not is_greedy(p)
                 or (p.logprobs is not None and not logprobs_ok)
-                or has_penalties(p)
-                or (p.min_tokens and _min_tokens_blocked_ids(inp))
+                or (not edits_ok and (has_penalties(p) or (p.min_tokens and _min_tokens_blocked_ids(inp))))
             ):
                 return False
         return True
@@ -298,7 +297,8 @@ class Sampler:
         drawn_rows: list[int] = []
 
         flat = logits.view(-1)
-        edits = _edits(logits, inputs)
+        step_edits = logit_edits(inputs, logits.shape[1], device)
+        edits = [] if step_edits is None else step_edits.groups(flat)
         saved = [(positions, flat[positions]) for positions, _ in edits]
         try:
             # One write per group, in order: a position both penalised and masked ends at -inf.
@@ -553,19 +553,45 @@ def _check_ids(ids: torch.Tensor, vocab: int, what: str) -> None:
         )
 
 
-def _edits(logits: torch.Tensor, inputs: Sequence[SamplingInputs]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(flat positions, new values) groups for what the penalties and min_tokens change, in the
-    order they must be written. Positions are unique within a group.
+@dataclass
+class LogitEdits:
+    """What penalties and min_tokens change in a step's logits, as flat positions row * vocab + id.
 
-    Penalties only change tokens that occur in the prompt or the output, so they are computed on
-    those (row, token) pairs alone (found with one torch.unique), never densely over [N, V].
-    """
-    device = logits.device
-    vocab = logits.shape[1]
-    flat = logits.view(-1)
-    positions: list[torch.Tensor] = []
-    values: list[torch.Tensor] = []
+    Both touch few (row, token) positions, so they are computed on those alone, never densely over
+    [N, V]: the sampler writes them into the full logits (`groups`), and the greedy screen
+    (kernels/cpu/greedy_screen.py) takes the penalised positions' exact logits and leaves the rest
+    of the row to its bfloat16 screen. The values are a function of each position's raw logit alone
+    (`penalised_values`), so both get the same bits from the same raw logits."""
 
+    vocab: int
+    penalised: torch.Tensor | None = None  # long [P]: unique, sorted (tokens of a penalised row's prompt or output)
+    counts: torch.Tensor | None = None  # float32 [P]: how often each occurs in its row's output (0: prompt only)
+    rep: torch.Tensor | None = None  # float32 [P]: its row's repetition penalty (1 where the row has none)
+    freq: torch.Tensor | None = None  # float32 [P]: its row's frequency penalty
+    pres: torch.Tensor | None = None  # float32 [P]: its row's presence penalty
+    blocked: torch.Tensor | None = None  # long [B]: unique positions min_tokens sets to -inf
+
+    def penalised_values(self, raw: torch.Tensor) -> torch.Tensor:
+        """The penalised positions' logits after the penalties, from their raw logits [P]."""
+        # Repetition (HF/vLLM): every token seen in prompt or output; rows without it have rep == 1.
+        x = torch.where(raw > 0, raw / self.rep, raw * self.rep)
+        # Frequency and presence (OpenAI): output tokens only.
+        return x - self.freq * self.counts - self.pres * (self.counts > 0).float()
+
+    def groups(self, flat: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(flat positions, new values) groups for the logits `flat` (the [N * V] view), in the order
+        they must be written: a position both penalised and blocked ends at -inf."""
+        groups = []
+        if self.penalised is not None:
+            groups.append((self.penalised, self.penalised_values(flat[self.penalised])))
+        if self.blocked is not None:
+            groups.append((self.blocked, torch.full((self.blocked.numel(),), float("-inf"), device=flat.device)))
+        return groups
+
+
+def logit_edits(inputs: Sequence[SamplingInputs], vocab: int, device: torch.device) -> LogitEdits | None:
+    """The step's penalties and min_tokens masks (LogitEdits); None when no row has either."""
+    edits = LogitEdits(vocab)
     penalised = [i for i, inp in enumerate(inputs) if has_penalties(inp.params)]
     if penalised:
         # Every penalised row's (row, token) positions at once: one tensor of all their output ids
@@ -588,15 +614,8 @@ def _edits(logits: torch.Tensor, inputs: Sequence[SamplingInputs]) -> list[tuple
             rep_l[i], freq_l[i], pres_l[i] = p.repetition_penalty, p.frequency_penalty, p.presence_penalty
         rep, freq, pres = (torch.tensor(v, dtype=torch.float32) for v in (rep_l, freq_l, pres_l))
         row = unique_pos // vocab
-        rep, freq, pres = _upload(rep, device)[row], _upload(freq, device)[row], _upload(pres, device)[row]
-
-        x = flat[unique_pos]
-        # Repetition (HF/vLLM): every token seen in prompt or output; rows without it have rep == 1.
-        x = torch.where(x > 0, x / rep, x * rep)
-        # Frequency and presence (OpenAI): output tokens only.
-        x = x - freq * counts - pres * (counts > 0).float()
-        positions.append(unique_pos)
-        values.append(x)
+        edits.penalised, edits.counts = unique_pos, counts
+        edits.rep, edits.freq, edits.pres = _upload(rep, device)[row], _upload(freq, device)[row], _upload(pres, device)[row]
 
     rows: list[int] = []
     cols: list[int] = []
@@ -608,13 +627,10 @@ def _edits(logits: torch.Tensor, inputs: Sequence[SamplingInputs]) -> list[tuple
         rows.extend([i] * len(blocked))
         cols.extend(blocked)
     if rows:
-        masked = torch.unique(
+        edits.blocked = _upload(torch.unique(
             torch.tensor(rows, dtype=torch.long) * vocab + torch.tensor(cols, dtype=torch.long)
-        )
-        positions.append(_upload(masked, device))
-        values.append(torch.full((masked.numel(),), float("-inf"), device=device))
-
-    return list(zip(positions, values, strict=True))
+        ), device)
+    return None if edits.penalised is None and edits.blocked is None else edits
 
 
 def _row_positions(ids: Sequence[Sequence[int] | torch.Tensor], rows: Sequence[int], vocab: int) -> torch.Tensor:

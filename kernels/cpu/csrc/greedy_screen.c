@@ -21,36 +21,53 @@ static inline __m512 bf16x16(const uint16_t *p) {
 }
 #endif
 
-/* The largest of V bfloat16 values (NaN ignored; the caller rejects a row whose norm is not finite). */
-static inline float row_max(const uint16_t *s, int64_t V) {
+/* A constraint's allowed ids (llguidance's bitmask: bit j of word w allows id 32 w + j, ids at or past
+   32 W disallowed), or every id where aw is NULL. */
+static inline int allowed_id(const int32_t *aw, int64_t W, int64_t j) {
+    if (!aw) return 1;
+    return (j >> 5) < W && (((uint32_t)aw[j >> 5] >> (j & 31)) & 1u);
+}
+
+/* The allowed bits of ids j ... j + 15, j a multiple of 16 (half a word). */
+static inline uint32_t allowed16(const int32_t *aw, int64_t W, int64_t j) {
+    if (!aw) return 0xFFFFu;
+    return (j >> 5) < W ? ((uint32_t)aw[j >> 5] >> (j & 31)) & 0xFFFFu : 0u;
+}
+
+/* The largest of the V bfloat16 values whose ids are allowed (NaN ignored; the caller rejects a row
+   whose norm is not finite); -inf when none is. */
+static inline float row_max(const uint16_t *s, int64_t V, const int32_t *aw, int64_t W) {
     float m = -INFINITY;
     int64_t j = 0;
 #if defined(__AVX512F__)
     __m512 mv = _mm512_set1_ps(-INFINITY);
-    for (; j + 16 <= V; j += 16) mv = _mm512_max_ps(mv, bf16x16(s + j));
+    if (aw)
+        for (; j + 16 <= V; j += 16) mv = _mm512_mask_max_ps(mv, (__mmask16)allowed16(aw, W, j), mv, bf16x16(s + j));
+    else
+        for (; j + 16 <= V; j += 16) mv = _mm512_max_ps(mv, bf16x16(s + j));
     m = _mm512_reduce_max_ps(mv);
 #endif
     for (; j < V; ++j) {
         const float x = bf16_to_f32(s[j]);
-        m = x > m ? x : m;
+        if (x > m && allowed_id(aw, W, j)) m = x;
     }
     return m;
 }
 
-/* The first j with s[j] == m, m one of the V values: a scalar search would walk half the vocabulary
-   on average, as long as the max itself. */
-static inline int64_t first_equal(const uint16_t *s, int64_t V, float m) {
+/* The first allowed j with s[j] == m, m the value of an allowed id: a scalar search would walk half the
+   vocabulary on average, as long as the max itself. */
+static inline int64_t first_equal(const uint16_t *s, int64_t V, float m, const int32_t *aw, int64_t W) {
     int64_t j = 0;
 #if defined(__AVX512F__)
     const __m512 mv = _mm512_set1_ps(m);
     for (; j + 16 <= V; j += 16) {
-        const __mmask16 eq = _mm512_cmp_ps_mask(bf16x16(s + j), mv, _CMP_EQ_OQ);
+        const __mmask16 eq = _mm512_mask_cmp_ps_mask((__mmask16)allowed16(aw, W, j), bf16x16(s + j), mv, _CMP_EQ_OQ);
         if (eq) return j + __builtin_ctz(eq);
     }
 #else
-    (void)V; /* the scalar search needs no bound: m is one of the V values */
+    (void)V; /* the scalar search needs no bound: m is the value of one of the V ids */
 #endif
-    while (bf16_to_f32(s[j]) != m) ++j;
+    while (bf16_to_f32(s[j]) != m || !allowed_id(aw, W, j)) ++j;
     return j;
 }
 
@@ -68,11 +85,32 @@ static inline float logit_f32(const float *h, const float *w, int64_t K, int64_t
     return total;
 }
 
-/* out[i] = logit_f32 of hidden row rows[i] and weight row cols[i] (used to find kb at load). */
+#define AT_CHAINS 8
+
+/* out[i] = logit_f32 of hidden row rows[i] and weight row cols[i] (to find kb at load, and for the
+   positions that penalties edit). Eight pairs at a time, each its own chain in the same order: one
+   chain waits on its fma's latency at every k, eight keep the units busy, and no bit changes. */
 void logits_at(const float *hidden, int64_t h_stride, const float *weight, int64_t K, int64_t kb,
                const int64_t *rows, const int64_t *cols, int64_t n, float *out)
 {
-    for (int64_t i = 0; i < n; ++i) out[i] = logit_f32(hidden + rows[i] * h_stride, weight + cols[i] * K, K, kb);
+    int64_t i = 0;
+    for (; i + AT_CHAINS <= n; i += AT_CHAINS) {
+        const float *h[AT_CHAINS], *w[AT_CHAINS];
+        float total[AT_CHAINS] = {0}, acc[AT_CHAINS];
+        for (int j = 0; j < AT_CHAINS; ++j) {
+            h[j] = hidden + rows[i + j] * h_stride;
+            w[j] = weight + cols[i + j] * K;
+        }
+        for (int64_t k0 = 0; k0 < K; k0 += kb) {
+            const int64_t end = k0 + kb < K ? k0 + kb : K;
+            for (int j = 0; j < AT_CHAINS; ++j) acc[j] = 0.f;
+            for (int64_t k = k0; k < end; ++k)
+                for (int j = 0; j < AT_CHAINS; ++j) acc[j] = fmaf(h[j][k], w[j][k], acc[j]);
+            for (int j = 0; j < AT_CHAINS; ++j) total[j] = k0 == 0 ? acc[j] : total[j] + acc[j];
+        }
+        for (int j = 0; j < AT_CHAINS; ++j) out[i + j] = total[j];
+    }
+    for (; i < n; ++i) out[i] = logit_f32(hidden + rows[i] * h_stride, weight + cols[i] * K, K, kb);
 }
 
 /* bfloat16 of x as torch rounds it (to nearest, ties to even), back as a float32; x finite. */
@@ -92,14 +130,19 @@ static inline float round_bf16(float x) {
    column (at load, rounded up). ids[r] = the argmax of the float32 logits of the candidates, the
    columns with screen_j + eps_j >= screen_m - eps_m (m: the screen's own argmax), lowest id on
    ties; cand[r] = their number, or -1 when the row's hidden state or screen is not finite or it
-   has more than max_cand candidates (the caller then takes the full head for it). */
+   has more than max_cand candidates (the caller then takes the full head for it).
+   With a constraint (allow not NULL): row r's allowed ids are bitmask row allow_row[r] of allow
+   [.][W] (every id where allow_row[r] < 0); the others are neither the screen's maximum nor
+   candidates, as if they were -inf on the screen, and nothing is written to mask them. */
 void greedy_from_screen(const uint16_t *screen, int64_t screen_stride, const float *hidden, int64_t h_stride,
                         const float *weight, int64_t V, int64_t K, int64_t kb, const float *p, const float *t,
                         double p_max, double t_max, double gamma, double d_rel, double abs_term, double w_max,
-                        int64_t max_cand, int64_t n, int64_t *ids, int64_t *cand)
+                        int64_t max_cand, int64_t n, int64_t *ids, int64_t *cand,
+                        const int32_t *allow, int64_t W, const int64_t *allow_row)
 {
     #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < n; ++r) {
+        const int32_t *aw = allow && allow_row[r] >= 0 ? allow + allow_row[r] * W : NULL;
         const uint16_t *s = screen + r * screen_stride;
         const float *h = hidden + r * h_stride;
         double sq = 0.0, sq_b = 0.0, sq_d = 0.0;
@@ -111,13 +154,13 @@ void greedy_from_screen(const uint16_t *screen, int64_t screen_stride, const flo
             sq_d += (double)dh * (double)dh;
         }
         const double norm = sqrt(sq);
-        const float m = row_max(s, V);
+        const float m = row_max(s, V, aw, W);
         /* |logit| <= norm * w_max: below 1e37 no sum can overflow, so no screen value is NaN */
         if (!(norm * w_max < 1e37) || !isfinite(m)) { ids[r] = -1; cand[r] = -1; continue; }
         const double slack = 1.0 + 1e-9; /* the rounding of the norms and of eps itself */
         const double A = (sqrt(sq_d) + gamma * sqrt(sq_b)) * slack, B = norm * slack;
         const double E = abs_term * (norm + w_max + 1.0) * slack, D = d_rel * slack;
-        const int64_t jm = first_equal(s, V, m);
+        const int64_t jm = first_equal(s, V, m, aw, W);
         const double eps_m = A * p[jm] + B * t[jm] + D * fabs((double)m) + E;
         const double floor_t = (double)m - eps_m; /* the best logit is at least this */
         /* Only a column with screen_j >= pre can reach floor_t (eps_j at most the largest column's). */
@@ -129,7 +172,7 @@ void greedy_from_screen(const uint16_t *screen, int64_t screen_stride, const flo
 #if defined(__AVX512F__)
         const __m512 pre_v = _mm512_set1_ps(pre);
         for (; j + 16 <= V && count <= max_cand; j += 16) {
-            __mmask16 hit = _mm512_cmp_ps_mask(bf16x16(s + j), pre_v, _CMP_GE_OQ);
+            __mmask16 hit = _mm512_mask_cmp_ps_mask((__mmask16)allowed16(aw, W, j), bf16x16(s + j), pre_v, _CMP_GE_OQ);
             while (hit) {
                 const int64_t c = j + __builtin_ctz(hit);
                 hit &= hit - 1;
@@ -143,7 +186,7 @@ void greedy_from_screen(const uint16_t *screen, int64_t screen_stride, const flo
 #endif
         for (; j < V && count <= max_cand; ++j) {
             const float sf = bf16_to_f32(s[j]);
-            if (!(sf >= pre)) continue;
+            if (!(sf >= pre) || !allowed_id(aw, W, j)) continue;
             const double sc = (double)sf;
             if (sc + A * p[j] + B * t[j] + D * fabs(sc) + E < floor_t) continue;
             const float v = logit_f32(h, weight + j * K, K, kb);

@@ -12,6 +12,7 @@ time (two matmuls per layer fewer); the residual add is folded into the next nor
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -23,8 +24,11 @@ from tokenmill.engine.model_config import CheckpointError, ModelConfig
 from tokenmill.engine.models.ops import RopeInputs, TorchOps, TritonOps, make_ops
 from tokenmill.kernels.cpu import gemm, invariant_gemm
 from tokenmill.kernels.cpu.decode_layers import DecodeLayers
-from tokenmill.kernels.cpu.greedy_screen import GreedyScreen
+from tokenmill.kernels.cpu.greedy_screen import AllowedIds, GreedyScreen
 from tokenmill.kernels.cpu.paths import CpuPaths, default_cpu_paths
+
+if TYPE_CHECKING:
+    from tokenmill.engine.sampler import LogitEdits
 
 
 def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -215,15 +219,19 @@ class DecoderForCausalLM(nn.Module):
             self._decode_layers = DecodeLayers.for_model(self.layers)
 
     @torch.inference_mode()
-    def greedy_ids(self, hidden: torch.Tensor, mask: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor | None:
-        """int64 [N]: the argmax of compute_logits(hidden) row by row (under `mask`, which sets a row's
-        disallowed ids of a [N, vocab] tensor to -inf in place), the same tokens, without the full
-        float32 LM head (CPU float32 only); None where the screen does not apply, for the caller to
-        compute the logits."""
+    def greedy_ids(self, hidden: torch.Tensor, allowed: AllowedIds | None = None,
+                   edits_for: Callable[[int], LogitEdits | None] | None = None) -> torch.Tensor | None:
+        """int64 [N]: the argmax of compute_logits(hidden) row by row (over the ids a constraint
+        allows, `allowed`: see greedy_screen.AllowedIds, and after the penalties and min_tokens
+        blocks that `edits_for(vocab)` gives, asked only where the screen runs), the same tokens,
+        without the full float32 LM head (CPU float32 only); None where the screen does not apply,
+        for the caller to compute the logits."""
         if hidden.device.type != "cpu" or self.lm_head.dtype != torch.float32:
             return None
         screen = self._greedy_screen()
-        return None if screen is None else screen.greedy_ids(hidden, mask)
+        if screen is None:
+            return None
+        return screen.greedy_ids(hidden, allowed, None if edits_for is None else edits_for(screen.vocab))
 
     def _greedy_screen(self) -> GreedyScreen | None:
         if not self.cpu_paths.greedy_screen:

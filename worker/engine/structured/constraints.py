@@ -6,8 +6,9 @@
 - Each step, the constrained rows that sample get their bitmask rows filled on the backend's
   threads while the forward runs (`start_step`); the mask is applied to the logits before
   sampling (`StepMask.apply`: cpu_mask.py on the CPU, kernels/token_bitmask.py on CUDA), or greedy
-  rows take their masked argmax without it (`StepMask.argmax`), or the greedy screen masks its
-  bfloat16 screen of the LM head with it and no logits are made at all.
+  rows take their masked argmax without it (`StepMask.argmax`), or the greedy screen reads the
+  bitmask in its C kernel over its bfloat16 screen of the LM head (`StepMask.allowed`) and no
+  logits are made at all.
 - Each token taken in advances its request's matcher (`accept`); a complete grammar ends the
   request (`finished`). The matcher lives on the Request, so preemption and recompute keep it:
   recompute rebuilds KV only, the output tokens it has consumed stay.
@@ -40,9 +41,9 @@ class StepMask:
     """The bitmask of one step's constrained rows, being filled while the forward runs.
 
     Its users: the sampler masks the logits (`apply`), or takes the greedy rows' masked argmax
-    without writing the mask at all (`argmax`); the greedy screen masks its bfloat16 screen of
-    the LM head (`apply` on the screen, kernels/cpu/greedy_screen.py), part by part in a step run
-    in parts (`first_row`). On the CPU both go through cpu_mask.py, on CUDA through the Triton
+    without writing the mask at all (`argmax`); the greedy screen reads the bitmask rows of its own
+    rows (`allowed`, kernels/cpu/greedy_screen.py), part by part in a step run in parts
+    (`first_row`). On the CPU both go through cpu_mask.py, on CUDA through the Triton
     kernel. The fill and every use of one step count as one entry of the mask metrics.
     """
 
@@ -94,6 +95,20 @@ class StepMask:
         ids = masked_argmax(logits, bitmask, rows)
         self._record(t0)
         return ids
+
+    def allowed(self, count: int, first_row: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """For the greedy screen (kernels/cpu/greedy_screen.py: AllowedIds), which masks in its C
+        kernel and writes nothing: (the bitmask, int64 [count]: the bitmask row of each sampling row
+        first_row ... first_row + count - 1, -1 for a row without a constraint), once filled."""
+        self._wait()
+        t0 = time.perf_counter()
+        which = [-1] * count
+        for k, row in [(k, row) for k, row in enumerate(self.rows)] + self._repeats:
+            if first_row <= row < first_row + count:
+                which[row - first_row] = k
+        rows = torch.tensor(which, dtype=torch.long)
+        self._record(t0)
+        return self._bitmask, rows
 
     def _wait(self) -> None:
         self._fill_s = self._fill.result()
