@@ -27,7 +27,7 @@ def _screen_ids(screen: greedy_screen.GreedyScreen, hidden: torch.Tensor, approx
         screen.col_bf16_norm_max, screen.col_rest_max, screen.gamma, screen.d_rel, screen.abs_term, screen.w_max,
         greedy_screen.MAX_CANDIDATES, hidden.shape[0], ids.data_ptr(), cand.data_ptr(),
         None if bitmask is None else bitmask.data_ptr(), 0 if bitmask is None else bitmask.shape[1],
-        None if rows is None else rows.data_ptr())
+        None if rows is None else rows.data_ptr(), None)
     return ids, cand
 
 

@@ -535,3 +535,35 @@ def test_the_vectorised_seeded_uniforms_are_seeded_uniforms_bits():
     assert got.dtype == torch.float64
     assert got.tolist() == [seeded_uniform(a, b) for a, b in zip(seeds, steps, strict=True)]
     assert seeded_uniforms([], []).numel() == 0
+
+
+def test_penalty_edits_follow_the_outputs_appended_between_steps():
+    """The penalties keep each row's output ids as an array and convert only what was appended since
+    the last step: the edits equal those of fresh inputs at every step, a new output list is read
+    whole, and an appended id outside the vocabulary is refused."""
+    from tokenmill.engine.sampler import logit_edits
+
+    params = SamplingParams(max_tokens=50, temperature=0.0, repetition_penalty=1.2, frequency_penalty=0.3,
+                            presence_penalty=0.1)
+    outputs = [[5, 5, 9], [], [1]]
+    inputs = [SamplingInputs(params, [3, 5, 7, 3], out, []) for out in outputs]
+
+    def same_as_fresh():
+        got = logit_edits(inputs, 40, torch.device("cpu"))
+        want = logit_edits([SamplingInputs(params, [3, 5, 7, 3], list(i.output_token_ids), []) for i in inputs],
+                           40, torch.device("cpu"))
+        for name in ("penalised", "counts", "rep", "freq", "pres"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), name
+        return got
+
+    same_as_fresh()
+    for step in range(40):  # past the array's first capacity (16)
+        for r, out in enumerate(outputs):
+            out.append((step * (r + 2)) % 11)
+        edits = same_as_fresh()
+    assert float(edits.counts.max()) > 3  # repeated output ids counted
+    inputs[0].output_token_ids = [1, 2]  # another list: read whole
+    same_as_fresh()
+    outputs[1].append(40)
+    with pytest.raises(ValueError, match="output token ids must be in"):
+        logit_edits(inputs, 40, torch.device("cpu"))

@@ -66,7 +66,11 @@ log = logging.getLogger(__name__)
 def _declare(lib: ctypes.CDLL) -> None:
     i64, ptr, f64 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_double
     lib.greedy_from_screen.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, ptr, ptr, f64, f64, f64, f64, f64, f64,
-                                       i64, i64, ptr, ptr, ptr, i64, ptr]
+                                       i64, i64, ptr, ptr, ptr, i64, ptr, ptr]
+    lib.hold_out.argtypes = [ptr, i64, i64, ptr, i64, ptr]
+    lib.hold_out.restype = None
+    lib.edited_may_win.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, f64, ptr, ptr, ptr, ptr, ptr, ptr, ptr]
+    lib.edited_may_win.restype = i64
     lib.greedy_from_screen.restype = None
     lib.logits_at.argtypes = [ptr, i64, ptr, i64, i64, ptr, ptr, i64, ptr]
     lib.logits_at.restype = None
@@ -191,9 +195,10 @@ class GreedyScreen:
             bitmask, allow_row = bitmask.contiguous(), allow_row.to(torch.int64).contiguous()
             if bitmask.dtype != torch.int32 or bitmask.dim() != 2 or allow_row.shape != (n,):
                 raise ValueError("allowed(n) must give an int32 bitmask [K, W] and int64 rows [n]")
-        penalised_allowed = None
+        held_out = None
         if edits is not None:
-            penalised_allowed = _screen_out_edits(screen, edits, bitmask, allow_row)
+            held_out = self._hold_out(screen, edits, bitmask, allow_row)
+        terms = torch.empty(n, 3, dtype=torch.float64) if held_out is not None else None
         cand = torch.empty(n, dtype=torch.int64)
         self._lib.greedy_from_screen(
             screen.data_ptr(), screen.stride(0), hidden.data_ptr(), hidden.stride(0),
@@ -201,7 +206,7 @@ class GreedyScreen:
             self.col_rest.data_ptr(), self.col_bf16_norm_max, self.col_rest_max, self.gamma,
             self.d_rel, self.abs_term, self.w_max, MAX_CANDIDATES, n, ids.data_ptr(), cand.data_ptr(),
             None if bitmask is None else bitmask.data_ptr(), 0 if bitmask is None else bitmask.shape[1],
-            None if allow_row is None else allow_row.data_ptr(),
+            None if allow_row is None else allow_row.data_ptr(), None if terms is None else terms.data_ptr(),
         )
         self.calls += 1
         if bool((cand < 0).any()):
@@ -213,34 +218,75 @@ class GreedyScreen:
             return None
         self.last_candidates = int(cand.sum())
         if edits is not None and edits.penalised is not None:
-            return self._with_edits(hidden, ids, edits, penalised_allowed)
+            return self._with_edits(hidden, ids, edits, held_out, terms)
         return ids
 
     def _with_edits(self, hidden: torch.Tensor, ids: torch.Tensor, edits: LogitEdits,
-                    allowed: torch.Tensor) -> torch.Tensor | None:
+                    held_out: tuple[torch.Tensor | None, torch.Tensor], terms: torch.Tensor) -> torch.Tensor | None:
         """Each row's argmax after the penalties, from `ids`, the full head's argmax over the row's
-        positions that no edit touches (the screen held the edited ones at -inf).
+        positions that no edit touches (the screen held the edited ones at -inf), and `held_out`:
+        per penalised position, whether it is allowed (None: all are) and its screen value.
 
-        The penalised positions' logits are computed exactly (logits_at: the full head's bits), then
-        penalised as the sampler does (the same elementwise float32 operations on the same raw
-        logits); the token is the larger of their best and the untouched best, the lower id on a
-        tie, which is torch.argmax's answer over the whole edited row. None (the full head) when an
-        exact logit is not finite."""
+        A penalised position can only win where its value after the penalties can reach the
+        untouched best's exact logit: the bound of the module docstring on its raw logit, through
+        the penalties (increasing in the raw logit), rules most out (edited_may_win, in C). The rest
+        have their logits computed exactly (logits_at: the full head's bits), then penalised as the
+        sampler does (the same elementwise float32 operations on the same raw logits); the token is
+        the larger of their best and the untouched best, the lower id on a tie, which is
+        torch.argmax's answer over the whole edited row. None (the full head) when an exact logit
+        is not finite."""
+        allowed, screen_values = held_out
+        n = ids.numel()
+        best_raw = self._logits_at(hidden, torch.arange(n), ids)
+        if not bool(torch.isfinite(best_raw).all()):
+            return None
         pos = edits.penalised
+        keep = torch.empty(pos.numel(), dtype=torch.int64)
+        kept = self._lib.edited_may_win(
+            pos.data_ptr(), pos.numel(), self.vocab, screen_values.data_ptr(), self.col_bf16_norm.data_ptr(),
+            self.col_rest.data_ptr(), terms.data_ptr(), self.d_rel, edits.rep.data_ptr(), edits.freq.data_ptr(),
+            edits.pres.data_ptr(), edits.counts.data_ptr(), best_raw.data_ptr(),
+            None if allowed is None else allowed.data_ptr(), keep.data_ptr())
+        if kept == 0:
+            return ids
+        keep = keep[:kept]
+        pos = pos[keep]
         rows, cols = pos // self.vocab, pos % self.vocab
         raw = self._logits_at(hidden, rows, cols)
-        best_raw = self._logits_at(hidden, torch.arange(ids.numel()), ids)
-        if not (bool(torch.isfinite(raw).all()) and bool(torch.isfinite(best_raw).all())):
+        if not bool(torch.isfinite(raw).all()):
             return None
-        values = edits.penalised_values(raw)
-        # Disallowed by the constraint (the screen's -inf before the edits) or blocked by min_tokens.
-        values = torch.where(allowed, values, torch.tensor(float("-inf")))
-        n = ids.numel()
+        values = edits.subset(keep).penalised_values(raw)
         best = torch.full((n,), float("-inf")).scatter_reduce(0, rows, values, "amax")
         at_best = values == best[rows]
         best_id = torch.full((n,), self.vocab, dtype=torch.int64).scatter_reduce(0, rows[at_best], cols[at_best], "amin")
         edited_wins = (best > best_raw) | ((best == best_raw) & (best_id < ids))
         return torch.where(edited_wins, best_id, ids)
+
+    def _hold_out(self, screen: torch.Tensor, edits: LogitEdits, bitmask: torch.Tensor | None,
+                  allow_row: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor] | None:
+        """Takes every position an edit touches out of the screen (-inf there), so that the screen
+        finds the best of the rest; returns, per penalised position, whether it is allowed (by the
+        constraint's bitmask where its row has one, and not blocked by min_tokens; None where all
+        are) and its screen value, or None where no position is penalised."""
+        if edits.blocked is not None:
+            screen.view(-1)[edits.blocked] = float("-inf")
+        pos = edits.penalised
+        if pos is None:
+            return None
+        allowed = None
+        if bitmask is not None:
+            rows, cols = pos // edits.vocab, pos % edits.vocab
+            which = allow_row[rows]
+            words = cols // 32
+            word = bitmask[which.clamp(min=0), words.clamp(max=bitmask.shape[1] - 1)]
+            bit = ((word >> (cols % 32).to(torch.int32)) & 1) != 0
+            allowed = (which < 0) | ((words < bitmask.shape[1]) & bit)
+        if edits.blocked is not None:
+            blocked = torch.isin(pos, edits.blocked)
+            allowed = ~blocked if allowed is None else allowed & ~blocked
+        values = torch.empty(pos.numel())
+        self._lib.hold_out(screen.data_ptr(), screen.stride(0), self.vocab, pos.data_ptr(), pos.numel(), values.data_ptr())
+        return None if allowed is None else allowed.to(torch.uint8).contiguous(), values
 
     def _logits_at(self, hidden: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
         """float32 [P]: the full head's logits of (hidden row, weight row) pairs, bit for bit."""
@@ -258,32 +304,6 @@ class GreedyScreen:
         a = torch.linalg.vector_norm(h - h_b, dim=1, keepdim=True) + self.gamma * torch.linalg.vector_norm(h_b, dim=1, keepdim=True)
         return (a * self.col_bf16_norm.double() + norm * self.col_rest.double() + self.d_rel * screen.double().abs()
                 + self.abs_term * (norm + self.w_max + 1.0))
-
-
-def _screen_out_edits(screen: torch.Tensor, edits: LogitEdits, bitmask: torch.Tensor | None,
-                      allow_row: torch.Tensor | None) -> torch.Tensor | None:
-    """Sets every position an edit touches to -inf on the screen, so that the screen finds the best
-    of the rest; returns, per penalised position, whether it is allowed (by the constraint's bitmask
-    where its row has one, and not blocked by min_tokens), or None where no position is penalised."""
-    flat = screen.view(-1)
-    allowed = None
-    if edits.penalised is not None:
-        allowed = torch.ones(edits.penalised.numel(), dtype=torch.bool)
-        if bitmask is not None:
-            rows, cols = edits.penalised // edits.vocab, edits.penalised % edits.vocab
-            which = allow_row[rows]
-            words = cols // 32
-            constrained = which >= 0
-            inside = words < bitmask.shape[1]
-            word = bitmask[which.clamp(min=0), words.clamp(max=bitmask.shape[1] - 1)]
-            bit = ((word >> (cols % 32).to(torch.int32)) & 1) != 0
-            allowed = ~constrained | (inside & bit)
-        if edits.blocked is not None:
-            allowed &= ~torch.isin(edits.penalised, edits.blocked)
-        flat[edits.penalised] = float("-inf")
-    if edits.blocked is not None:
-        flat[edits.blocked] = float("-inf")
-    return allowed
 
 
 def _warm_every_row_count(weight: torch.Tensor, packed_bf16: torch.Tensor) -> None:

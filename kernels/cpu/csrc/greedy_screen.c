@@ -133,12 +133,13 @@ static inline float round_bf16(float x) {
    has more than max_cand candidates (the caller then takes the full head for it).
    With a constraint (allow not NULL): row r's allowed ids are bitmask row allow_row[r] of allow
    [.][W] (every id where allow_row[r] < 0); the others are neither the screen's maximum nor
-   candidates, as if they were -inf on the screen, and nothing is written to mask them. */
+   candidates, as if they were -inf on the screen, and nothing is written to mask them.
+   terms (NULL, or [n][3]): each screened row's A, B and E, for edited_may_win. */
 void greedy_from_screen(const uint16_t *screen, int64_t screen_stride, const float *hidden, int64_t h_stride,
                         const float *weight, int64_t V, int64_t K, int64_t kb, const float *p, const float *t,
                         double p_max, double t_max, double gamma, double d_rel, double abs_term, double w_max,
                         int64_t max_cand, int64_t n, int64_t *ids, int64_t *cand,
-                        const int32_t *allow, int64_t W, const int64_t *allow_row)
+                        const int32_t *allow, int64_t W, const int64_t *allow_row, double *terms)
 {
     #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < n; ++r) {
@@ -160,6 +161,7 @@ void greedy_from_screen(const uint16_t *screen, int64_t screen_stride, const flo
         const double slack = 1.0 + 1e-9; /* the rounding of the norms and of eps itself */
         const double A = (sqrt(sq_d) + gamma * sqrt(sq_b)) * slack, B = norm * slack;
         const double E = abs_term * (norm + w_max + 1.0) * slack, D = d_rel * slack;
+        if (terms) { terms[3 * r] = A; terms[3 * r + 1] = B; terms[3 * r + 2] = E; }
         const int64_t jm = first_equal(s, V, m, aw, W);
         const double eps_m = A * p[jm] + B * t[jm] + D * fabs((double)m) + E;
         const double floor_t = (double)m - eps_m; /* the best logit is at least this */
@@ -197,4 +199,42 @@ void greedy_from_screen(const uint16_t *screen, int64_t screen_stride, const flo
         ids[r] = best_id;
         cand[r] = count;
     }
+}
+
+/* The penalised positions pos[i] = row * V + id, taken out of the screen before its search:
+   vals[i] = their screen values as float32, and -inf on the screen in their place. */
+void hold_out(uint16_t *screen, int64_t screen_stride, int64_t V, const int64_t *pos, int64_t n_pos, float *vals)
+{
+    const uint16_t minus_inf = 0xFF80u; /* bfloat16 -inf */
+    for (int64_t i = 0; i < n_pos; ++i) {
+        uint16_t *at = screen + (pos[i] / V) * screen_stride + pos[i] % V;
+        vals[i] = bf16_to_f32(*at);
+        *at = minus_inf;
+    }
+}
+
+/* Which penalised positions may still win their row (greedy_screen.py, _with_edits): keep[] gets the
+   indices i (ascending) whose value after the penalties can reach best[row], the exact logit of the
+   row's best untouched id; returns their number. A position's raw logit is at most
+   vals[i] + eps (the bound, with the row's terms from greedy_from_screen); the penalties are
+   increasing in it (sampler.py, LogitEdits.penalised_values: x / rep where x > 0, else x * rep, then
+   minus freq * count and presence where count > 0), evaluated here in double with room for the
+   float32 roundings of the real thing (three operations, each within 2^-24 of its result).
+   allowed (NULL: all): 0 for a position the constraint disallows or min_tokens blocks. */
+int64_t edited_may_win(const int64_t *pos, int64_t n_pos, int64_t V, const float *vals, const float *p, const float *t,
+                       const double *terms, double d_rel, const float *rep, const float *freq, const float *pres,
+                       const float *counts, const float *best, const uint8_t *allowed, int64_t *keep)
+{
+    const double D = d_rel * (1.0 + 1e-9);
+    int64_t kept = 0;
+    for (int64_t i = 0; i < n_pos; ++i) {
+        if (allowed && !allowed[i]) continue;
+        const int64_t r = pos[i] / V, j = pos[i] % V;
+        const double s = (double)vals[i];
+        const double up = s + (terms[3 * r] * p[j] + terms[3 * r + 1] * t[j] + D * fabs(s) + terms[3 * r + 2]) * (1.0 + 1e-6);
+        const double x = up > 0 ? up / (double)rep[i] : up * (double)rep[i];
+        const double cut = (double)freq[i] * (double)counts[i] + (counts[i] > 0 ? (double)pres[i] : 0.0);
+        if (x - cut + 1e-6 * (fabs(x) + fabs(cut)) + 1e-37 >= (double)best[r]) keep[kept++] = i;
+    }
+    return kept;
 }
