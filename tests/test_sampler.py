@@ -567,3 +567,16 @@ def test_penalty_edits_follow_the_outputs_appended_between_steps():
     outputs[1].append(40)
     with pytest.raises(ValueError, match="output token ids must be in"):
         logit_edits(inputs, 40, torch.device("cpu"))
+
+
+def test_a_penalised_row_with_no_position_to_penalise_yet_is_sampled_as_it_is():
+    """A frequency or presence penalty before the first output token (and no repetition penalty, so
+    the prompt is not penalised): no position is edited, and the row's token is its plain argmax."""
+    from tokenmill.engine.sampler import logit_edits
+
+    params = SamplingParams(max_tokens=5, temperature=0.0, frequency_penalty=0.5, presence_penalty=0.2)
+    inputs = [SamplingInputs(params, [1, 2, 3], [], []), SamplingInputs(params, [4], [], [])]
+    edits = logit_edits(inputs, VOCAB, torch.device("cpu"))
+    assert edits is not None and edits.penalised.numel() == 0 and edits.counts.numel() == 0
+    logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(3))
+    assert [t.token_id for t in Sampler(seed=0)(logits.clone(), inputs)] == logits.argmax(dim=1).tolist()

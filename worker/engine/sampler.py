@@ -613,7 +613,8 @@ def logit_edits(inputs: Sequence[SamplingInputs], vocab: int, device: torch.devi
         positions = keys >> shift
         runs = _run_starts(positions)
         unique_pos = positions[runs]
-        counts = (keys[np.r_[runs[1:], keys.size] - 1] & ((1 << shift) - 1)).astype(np.float32)
+        last_of_run = np.r_[runs[1:], keys.size] - 1 if keys.size else runs  # (none: nothing is penalised yet)
+        counts = (keys[last_of_run] & ((1 << shift) - 1)).astype(np.float32)
 
         n = len(inputs)
         rep_l, freq_l, pres_l = [1.0] * n, [0.0] * n, [0.0] * n
