@@ -118,7 +118,7 @@ def inject(engine: Engine, monkeypatch, where: str, culprit: str) -> list[int]:
 
         monkeypatch.setattr(engine.sampler, "sample_ids", sample_ids)
         # Greedy rows would skip the sampler (the greedy screen finds their tokens in the forward).
-        monkeypatch.setattr(engine.runner.model, "greedy_ids", lambda hidden, mask=None: None)
+        monkeypatch.setattr(engine.runner.model, "greedy_ids", lambda hidden, allowed=None, edits_for=None: None)
     return raised
 
 

@@ -98,8 +98,9 @@ class EngineConfig:
     )
     greedy_screen: str = setting(
         "auto", choices=CPU_PATH_CHOICES,
-        help="CPU: plain greedy rows skip the full float32 LM head, a bfloat16 screen then float32 for the few "
-             "candidates, the same token (auto: where oneDNN has a bfloat16 GEMM)",
+        help="CPU: greedy rows without logprobs (penalties, min_tokens and constraints included) skip the full "
+             "float32 LM head, a bfloat16 screen then float32 for the few candidates, the same token (auto: where "
+             "oneDNN has a bfloat16 GEMM)",
     )
     cpu_elementwise: str = setting(
         "auto", choices=CPU_PATH_CHOICES,
