@@ -420,6 +420,18 @@ def duplicate_bounds(fleet: Fleet, leavers: set[str]) -> tuple[int, int]:
     return total, departed
 
 
+async def ready_seen_after(run: Run, back: float, timeout_s: float) -> None:
+    """The broker scenarios: a fleet can answer every job before a worker's next readiness probe
+    (every 2 s) has seen the broker back; sampling goes on until each live worker was seen ready
+    since `back`, or `timeout_s`, so that "ready again" is measured, not cut off by a fast drain."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        seen = {name for t, name, ready in run.readiness if t >= back and ready}
+        if seen >= {w.name for w in run.fleet.live()}:
+            return
+        await asyncio.sleep(0.2)
+
+
 def readiness_details(run: Run, details: dict, back: float) -> None:
     """For the broker scenarios: readiness while the broker was away and after it was back."""
     stopped, start_called = details.pop("_stopped", None), details.pop("_start_called", None)
@@ -468,6 +480,8 @@ async def run_scenario(config: ChaosConfig, broker: Broker | None = None) -> Cha
         drained = await ledger.wait_drained(config.drain_timeout_s)
         drained_at = time.monotonic()
         fleet.check_exits()
+        if "_stopped" in details:
+            await ready_seen_after(run, last_fault, timeout_s=15.0)
         readiness_details(run, details, last_fault)
         details.update(await settle(fleet, config.partitions))
         leavers = {d.worker for d in fleet.departures}
