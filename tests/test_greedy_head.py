@@ -8,7 +8,7 @@ import torch
 from tokenmill.engine import Engine, EngineConfig
 from tokenmill.engine.attention.torch_backend import TorchAttentionBackend
 from tokenmill.engine.loader import load_model
-from tokenmill.engine.model_runner import GreedyIds, ModelRunner
+from tokenmill.engine.model_runner import GreedyIds, ModelRunner, SomeIds
 from tokenmill.engine.sampler import Sampler, SamplingInputs, greedy_argmax, logit_edits
 from tokenmill.engine.types import EngineRequest, SamplingParams
 from tokenmill.kernels.cpu import gemm, greedy_screen
@@ -195,10 +195,13 @@ def test_engine_greedy_outputs_are_the_same_with_and_without_the_screen(tiny_lla
     assert GreedyIds.__name__ in calls_on and GreedyIds.__name__ not in calls_off
 
 
-def test_rows_that_need_logits_keep_the_full_head(tiny_llama_dir, monkeypatch):
-    """A batch with a sampled row or a logprobs row is not argmax-only: the step computes logits,
-    and the greedy rows in it still get the same tokens."""
+def test_rows_that_need_logits_keep_the_full_head_and_the_greedy_rows_beside_them_take_the_screen(
+        tiny_llama_dir, monkeypatch):
+    """A batch with a sampled row or a logprobs row is not argmax-only: those rows get the full
+    head's logits, the greedy rows beside them (penalised ones too) still take the screen (SomeIds),
+    and every row gets the tokens and logprobs it gets without the screen."""
     base = _requests()
+    base[1].sampling = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, repetition_penalty=1.4)
     mixed = base[:6] + [
         EngineRequest(request_id="lp", prompt_token_ids=[11, 12, 13],
                       sampling=SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, logprobs=2)),
@@ -206,11 +209,45 @@ def test_rows_that_need_logits_keep_the_full_head(tiny_llama_dir, monkeypatch):
                       sampling=SamplingParams(max_tokens=20, temperature=0.8, seed=7, ignore_eos=True)),
     ]
     on, calls_on, results = _generate(tiny_llama_dir, mixed, monkeypatch, True)
-    off, _, _ = _generate(tiny_llama_dir, mixed, monkeypatch, False)
+    off, _, results_off = _generate(tiny_llama_dir, mixed, monkeypatch, False)
     assert on == off
     assert results["lp"].logprobs  # the logprobs row got its logprobs
-    # the logprobs and sampled rows outlive the greedy ones: every step computed logits
+    assert [lp.logprob for lp in results["lp"].logprobs] == [lp.logprob for lp in results_off["lp"].logprobs]
+    # the logprobs and sampled rows outlive the greedy ones: no step was greedy rows alone
     assert GreedyIds.__name__ not in calls_on
+    assert SomeIds.__name__ in calls_on
+
+
+def test_a_sampled_row_beside_greedy_ones_overlapped(tiny_llama_dir, monkeypatch):
+    """With async scheduling (sampled and greedy rows, no logprobs: steps overlap) the split step's
+    ids go to the next step as one tensor in row order: the same outputs as without the screen, and
+    no step failed on the way (fault isolation would rerun such rows alone and hide it)."""
+    from tokenmill.engine import overlap
+
+    base = _requests()[:5] + [
+        EngineRequest(request_id=f"hot{i}", prompt_token_ids=[21 + i, 22, 23],
+                      sampling=SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, seed=i, ignore_eos=True))
+        for i in range(3)]
+    seen = []
+    real = overlap._sample_some
+
+    def spy(sampler, some, launched, overlapped):
+        try:
+            real(sampler, some, launched, overlapped)
+        except Exception as e:
+            seen.append(repr(e))
+            raise
+        seen.append(overlapped)
+
+    monkeypatch.setattr(overlap, "_sample_some", spy)
+    outputs = {}
+    for screen_on in (True, False):
+        engine = Engine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", kv_cache_gb=0.01, max_model_len=256,
+                                     greedy_screen="on" if screen_on else "off", async_scheduling="on"))
+        results = engine.generate(base)
+        outputs[screen_on] = {rid: list(r.output_token_ids) for rid, r in results.items()}
+    assert outputs[True] == outputs[False]
+    assert True in seen and set(seen) == {True}  # overlapped split steps, none of them failing
 
 
 def test_constrained_greedy_rows_take_the_screen_under_their_mask(tiny_llama_dir, monkeypatch):

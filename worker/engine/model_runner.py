@@ -89,6 +89,20 @@ class GreedyIds:
     ids: torch.Tensor
 
 
+@dataclass
+class SomeIds:
+    """What a step returns when some of its sampling rows are greedy without logprobs and the
+    others need logits: the greedy rows' ids found by the greedy screen (`ids`, for the sampling
+    rows `id_rows`), and the full LM head's logits of the others only (`logits`, for `logit_rows`),
+    so that one logprobs or sampled row does not send every greedy row of the step to the full
+    head. On the CPU, in steps without a constraint's mask."""
+
+    ids: torch.Tensor
+    id_rows: list[int]
+    logits: torch.Tensor
+    logit_rows: list[int]
+
+
 _MADV_HUGEPAGE = 14  # Linux
 
 
@@ -510,7 +524,7 @@ class ModelRunner:
     def execute(
         self, out: SchedulerOutput, pending: PendingTokens | None = None, argmax_ok: bool = False,
         token_mask: StepMask | None = None,
-    ) -> tuple[torch.Tensor | GreedyIds | None, StepInputs | None]:
+    ) -> tuple[torch.Tensor | GreedyIds | SomeIds | None, StepInputs | None]:
         """Free the rows of the requests `out` names as finished or preempted, then launch one
         batched forward over its requests; returns float32 logits [num sampling requests, vocab]
         (None when no row samples) and the step's StepInputs (both None for an empty step).
@@ -533,7 +547,7 @@ class ModelRunner:
 
     def _execute_whole(
         self, out: SchedulerOutput, pending: PendingTokens | None, argmax_ok: bool, token_mask: StepMask | None
-    ) -> tuple[torch.Tensor | GreedyIds | None, StepInputs | None]:
+    ) -> tuple[torch.Tensor | GreedyIds | SomeIds | None, StepInputs | None]:
         # Metadata is built outside inference mode: backends may key per-step plans on tensor versions.
         input_ids, positions, meta, output_rows, stats = self.prepare(out.requests, out.num_new_tokens, pending)
         self.forward_start = None
@@ -573,7 +587,7 @@ class ModelRunner:
 
     def _execute_in_parts(
         self, out: SchedulerOutput, cuts: list[slice], argmax_ok: bool, token_mask: StepMask | None
-    ) -> tuple[torch.Tensor | GreedyIds | None, StepInputs]:
+    ) -> tuple[torch.Tensor | GreedyIds | SomeIds | None, StepInputs]:
         """The step with its model body cut into parts run side by side on the pool's threads, and
         the greedy rows' ids found there too; the full LM head, where needed, once over the joined
         rows."""
@@ -596,11 +610,12 @@ class ModelRunner:
             hidden = torch.cat([h for h, _ in done])
             ids = [i for _, i in done]
             if want_ids and all(i is not None for i, p in zip(ids, parts, strict=True) if p[4].sample_requests):
-                result: torch.Tensor | GreedyIds | None = GreedyIds(torch.cat([i for i in ids if i is not None]))
+                result: torch.Tensor | GreedyIds | SomeIds | None = GreedyIds(torch.cat([i for i in ids if i is not None]))
             else:
-                # A screen that could not narrow a part's rows: the full head over every row (the
-                # sampler masks its logits).
-                result = self._head(hidden, stats, False)
+                # Rows that need logits beside greedy ones (SomeIds where the screen takes the
+                # greedy ones), or a screen that could not narrow a part's rows: the full head
+                # over every row (the sampler masks its logits).
+                result = self._head(hidden, stats, argmax_ok and not want_ids, token_mask)
         self.last_forward_s = time.perf_counter() - t0
         self.num_split_steps += 1
         return result, stats
@@ -618,7 +633,7 @@ class ModelRunner:
         return self.model(input_ids, positions, meta, self.kv_caches, output_rows)
 
     def _forward(self, input_ids, positions, meta, output_rows, stats, argmax_ok=False,
-                 token_mask: StepMask | None = None) -> torch.Tensor | GreedyIds | None:
+                 token_mask: StepMask | None = None) -> torch.Tensor | GreedyIds | SomeIds | None:
         # With output_rows (any step that is not pure decode) the hidden states are those rows only:
         # the sampling rows, then the scored prompt positions.
         hidden = self._body(input_ids, positions, meta, output_rows)
@@ -631,7 +646,7 @@ class ModelRunner:
         return self._head(hidden, stats, argmax_ok, token_mask)
 
     def _head(self, hidden: torch.Tensor, stats: StepInputs, argmax_ok: bool,
-              token_mask: StepMask | None = None) -> torch.Tensor | GreedyIds | None:
+              token_mask: StepMask | None = None) -> torch.Tensor | GreedyIds | SomeIds | None:
         """The sampling rows' logits, or their greedy ids (see execute)."""
         num_samples = len(stats.sample_requests)
         if not num_samples:
@@ -641,7 +656,27 @@ class ModelRunner:
             ids = self.model.greedy_ids(hidden, None if token_mask is None else token_mask.allowed, _edits_for(inputs))
             if ids is not None:
                 return GreedyIds(ids)
+        elif argmax_ok and token_mask is None and hidden.device.type == "cpu":
+            some = self._some_ids(hidden, inputs)
+            if some is not None:
+                return some
         return self.model.compute_logits(hidden, out=self._logits_buffer(hidden))
+
+    def _some_ids(self, hidden: torch.Tensor, inputs: list[SamplingInputs]) -> SomeIds | None:
+        """A step whose rows are partly greedy without logprobs: those through the greedy screen,
+        the full head over the others only (SomeIds); None where no row or every row is greedy,
+        or the screen does not take them (the caller computes every row's logits)."""
+        id_rows = [i for i, inp in enumerate(inputs) if Sampler.argmax_is_enough((inp,), edits_ok=True)]
+        if not id_rows or len(id_rows) == len(inputs):
+            return None
+        greedy_inputs = [inputs[i] for i in id_rows]
+        ids = self.model.greedy_ids(hidden[id_rows], None, _edits_for(greedy_inputs))
+        if ids is None:
+            return None
+        taken = set(id_rows)
+        logit_rows = [i for i in range(len(inputs)) if i not in taken]
+        rest = hidden[logit_rows]
+        return SomeIds(ids, id_rows, self.model.compute_logits(rest, out=self._logits_buffer(rest)), logit_rows)
 
 
 def _joined(parts: Sequence[StepInputs]) -> StepInputs:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill.engine.model_runner import GreedyIds, PendingTokens
+from tokenmill.engine.model_runner import GreedyIds, PendingTokens, SomeIds
 from tokenmill.engine.request import Request
 from tokenmill.engine.sampler import SampledToken, Sampler, TokenMask, has_penalties
 from tokenmill.engine.types import SamplingParams
@@ -73,7 +73,8 @@ class LaunchedStep:
 
 
 def launch_sampling(
-    sampler: Sampler, logits: torch.Tensor | GreedyIds, requests: list[Request], *, forward_start: torch.cuda.Event | None,
+    sampler: Sampler, logits: torch.Tensor | GreedyIds | SomeIds, requests: list[Request], *,
+    forward_start: torch.cuda.Event | None,
     forward_s: float, overlapped: bool, token_mask: TokenMask | None = None,
 ) -> LaunchedStep:
     """Sample a launched forward's logits. Synchronous: the tokens come back to the host.
@@ -84,6 +85,8 @@ def launch_sampling(
     with torch.inference_mode():  # logits are inference tensors; the sampler edits them
         if isinstance(logits, GreedyIds):  # the forward found the tokens already (no mask here)
             _take_ids(logits.ids, launched, overlapped)
+        elif isinstance(logits, SomeIds):  # some rows' tokens found already, the others' logits
+            _sample_some(sampler, logits, launched, overlapped)
         elif overlapped:
             _sample_on_device(sampler, logits, launched)
         else:
@@ -112,6 +115,31 @@ def _take_ids(ids: torch.Tensor, launched: LaunchedStep, overlapped: bool) -> No
         _leave_pending(ids, launched)
     else:
         launched.sampled = [SampledToken(t) for t in ids.tolist()]
+
+
+def _sample_some(sampler: Sampler, some: SomeIds, launched: LaunchedStep, overlapped: bool) -> None:
+    """SomeIds: the logits rows sampled (with their logprobs where asked), the screened rows' ids put
+    beside them in the step's row order."""
+    reqs = launched.requests
+    inputs = [reqs[i].sampling_inputs for i in some.logit_rows]
+    if overlapped:  # no logprobs row here: steps with one are synchronous
+        ids = torch.empty(len(reqs), dtype=torch.int64)
+        ids[some.id_rows] = some.ids
+        ids[some.logit_rows] = sampler.sample_ids(some.logits, inputs).to(torch.int64)
+        launched.mark_sampled()
+        _leave_pending(ids, launched)
+        return
+    if any(inp.params.logprobs is not None for inp in inputs):
+        sampled = sampler(some.logits, inputs)
+    else:
+        sampled = [SampledToken(t) for t in sampler.sample_ids(some.logits, inputs).tolist()]
+    launched.mark_sampled()
+    tokens: list[SampledToken | None] = [None] * len(reqs)
+    for row, token_id in zip(some.id_rows, some.ids.tolist(), strict=True):
+        tokens[row] = SampledToken(token_id)
+    for row, token in zip(some.logit_rows, sampled, strict=True):
+        tokens[row] = token
+    launched.sampled = tokens
 
 
 def _sample_on_device(sampler: Sampler, logits: torch.Tensor, launched: LaunchedStep) -> None:

@@ -103,7 +103,7 @@ class StepMask:
         self._wait()
         t0 = time.perf_counter()
         which = [-1] * count
-        for k, row in [(k, row) for k, row in enumerate(self.rows)] + self._repeats:
+        for k, row in [*enumerate(self.rows), *self._repeats]:
             if first_row <= row < first_row + count:
                 which[row - first_row] = k
         rows = torch.tensor(which, dtype=torch.long)
