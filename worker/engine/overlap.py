@@ -28,7 +28,7 @@ import torch
 
 from tokenmill.engine.model_runner import GreedyIds, PendingTokens, SomeIds
 from tokenmill.engine.request import Request
-from tokenmill.engine.sampler import SampledToken, Sampler, TokenMask, has_penalties
+from tokenmill.engine.sampler import SampledToken, Sampler, SamplingInputs, TokenMask, has_penalties
 from tokenmill.engine.types import SamplingParams
 
 
@@ -98,14 +98,18 @@ def launch_sampling(
 def _sample_to_host(
     sampler: Sampler, logits: torch.Tensor, launched: LaunchedStep, token_mask: TokenMask | None
 ) -> None:
-    inputs = [r.sampling_inputs for r in launched.requests]
-    if any(inp.params.logprobs is not None for inp in inputs):
-        launched.sampled = sampler(logits, inputs, token_mask)
-        launched.mark_sampled()
-        return
-    ids = sampler.sample_ids(logits, inputs, token_mask)
+    launched.sampled = _tokens_to_host(sampler, logits, [r.sampling_inputs for r in launched.requests], token_mask)
     launched.mark_sampled()
-    launched.sampled = [SampledToken(t) for t in ids.tolist()]  # waits for the GPU
+
+
+def _tokens_to_host(
+    sampler: Sampler, logits: torch.Tensor, inputs: list[SamplingInputs], token_mask: TokenMask | None
+) -> list[SampledToken]:
+    """The rows' tokens on the host: with their logprobs where a row asks (the sampler's host work
+    per row), else the sampled ids brought over at once (waits for the GPU)."""
+    if any(inp.params.logprobs is not None for inp in inputs):
+        return sampler(logits, inputs, token_mask)
+    return [SampledToken(t) for t in sampler.sample_ids(logits, inputs, token_mask).tolist()]
 
 
 def _take_ids(ids: torch.Tensor, launched: LaunchedStep, overlapped: bool) -> None:
@@ -129,10 +133,7 @@ def _sample_some(sampler: Sampler, some: SomeIds, launched: LaunchedStep, overla
         launched.mark_sampled()
         _leave_pending(ids, launched)
         return
-    if any(inp.params.logprobs is not None for inp in inputs):
-        sampled = sampler(some.logits, inputs)
-    else:
-        sampled = [SampledToken(t) for t in sampler.sample_ids(some.logits, inputs).tolist()]
+    sampled = _tokens_to_host(sampler, some.logits, inputs, None)
     launched.mark_sampled()
     tokens: list[SampledToken | None] = [None] * len(reqs)
     for row, token_id in zip(some.id_rows, some.ids.tolist(), strict=True):
