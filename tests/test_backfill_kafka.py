@@ -37,9 +37,13 @@ def test_kafka_backfill_s3_parquet_killed_resumed_and_rerun(kafka_bootstrap, tin
     inp, out = f"s3://{s3_bucket}/in/questions.parquet", f"s3://{s3_bucket}/out/answers.parquet"
     topics = asyncio.run(make_topics(kafka_bootstrap, "backfill", partitions=2))
     state = tmp_path / "state.sqlite"
-    flags = ["--prompt-template", "Q: {question}\nA:", "--key-column", "id", "--max-tokens", "4",
+    flags = ["--prompt-template", "Q: {question}\nA:", "--key-column", "id", "--max-tokens", "8",
              "--temperature", "0", "--jobs-topic", topics.jobs, "--results-topic", topics.results]
-    worker = start_worker_process(worker_command(kafka_bootstrap, topics, str(tiny_llama_dir)), tmp_path / "worker.log")
+    # Four jobs at a time, eight tokens each: the results come in over a second or more even on a fast
+    # CPU, so the kill below lands mid-run (with 64 at a time and 4 tokens every result could be in
+    # before the first poll saw 30).
+    worker = start_worker_process(worker_command(kafka_bootstrap, topics, str(tiny_llama_dir), "--max-num-seqs", "4"),
+                                  tmp_path / "worker.log")
     try:
         # First run, killed (SIGKILL, no clean-up at all) once some results are in.
         cmd = [sys.executable, "-m", "tokenmill.cli", "backfill", "--bootstrap-servers", kafka_bootstrap,
@@ -48,14 +52,14 @@ def test_kafka_backfill_s3_parquet_killed_resumed_and_rerun(kafka_bootstrap, tin
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         deadline = time.time() + 240
         while _results_in_state(state) < 30 and proc.poll() is None and time.time() < deadline:
-            time.sleep(0.05)
+            time.sleep(0.01)
         proc.send_signal(signal.SIGKILL)
         log = proc.communicate()[0].decode()
         assert proc.returncode == -signal.SIGKILL, log
         done_before = _results_in_state(state)
         assert 0 < done_before < 300, (done_before, log)
 
-        spec = JobSpec(prompt_template="Q: {question}\nA:", sampling={"max_tokens": 4, "temperature": 0})
+        spec = JobSpec(prompt_template="Q: {question}\nA:", sampling={"max_tokens": 8, "temperature": 0})
         cfg = BackfillConfig(input=inp, output=out, state=str(state), spec=spec, key_column="id",
                              bootstrap_servers=kafka_bootstrap, jobs_topic=topics.jobs,
                              results_topic=topics.results, timeout_s=240, progress=False)

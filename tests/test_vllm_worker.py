@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
 import time
 
 import pytest
@@ -173,7 +174,10 @@ async def test_a_dead_engine_core_ends_the_worker_and_its_jobs_go_to_another(kaf
         t0 = time.monotonic()
         for core in cores:
             core.send_signal(signal.SIGKILL)
-        code = await asyncio.to_thread(proc.wait, 60)
+        try:
+            code = await asyncio.to_thread(proc.wait, 60)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the worker did not exit within 60 s of its engine core's death; its log:\n{log_tail(log)}")
         seconds = time.monotonic() - t0
     finally:
         stop_process(proc, signal.SIGKILL)
