@@ -152,10 +152,10 @@ async def test_a_dead_engine_core_ends_the_worker_and_its_jobs_go_to_another(kaf
     from tokenmill.kafka.local_broker import free_port
 
     topics = await make_topics(kafka_bootstrap, "vllm-dead", partitions=1)
-    # Long enough (600 steps, 7 s alone on 2 cores) to be still running when the core is killed, a
-    # second or so after the first is seen running; the worker that answers them after runs them all.
+    # Long enough (600 steps: 7 s alone on the AVX2 EPYC, some 2 s on a Zen 5 one) to be still running
+    # when the core is killed, just after the first is seen running; the worker that answers them
+    # after runs them all.
     jobs = [job(i, max_tokens=600) for i in range(6)]
-    await produce(kafka_bootstrap, topics.jobs, jobs)
     port, log = free_port(), tmp_path / "worker.log"
     cmd = _vllm_worker(kafka_bootstrap, topics, port, "--log-level", "INFO")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
@@ -167,6 +167,9 @@ async def test_a_dead_engine_core_ends_the_worker_and_its_jobs_go_to_another(kaf
         # vLLM is imported twice here (the worker, then its engine core's process): on a loaded 2-core
         # machine each import alone has taken 100 s.
         await wait_ready(proc, port, log, timeout=600, interval=0.5)
+        # The jobs go in once the worker is ready: produced before, a fast CPU could answer them all
+        # between two readiness polls, and no job would be running to kill the core under.
+        await produce(kafka_bootstrap, topics.jobs, jobs)
         await wait_for(lambda: worker_metrics(port)["tokenmill_engine_running"] > 0, 60, what="jobs running")
         cores = [c for c in psutil.Process(proc.pid).children(recursive=True) if "EngineCore" in " ".join(
             c.cmdline() + [c.name()])]
