@@ -152,10 +152,10 @@ async def test_a_dead_engine_core_ends_the_worker_and_its_jobs_go_to_another(kaf
     from tokenmill.kafka.local_broker import free_port
 
     topics = await make_topics(kafka_bootstrap, "vllm-dead", partitions=1)
-    # Long enough (600 steps: 7 s alone on the AVX2 EPYC, some 2 s on a Zen 5 one) to be still running
-    # when the core is killed, just after the first is seen running; the worker that answers them
-    # after runs them all.
-    jobs = [job(i, max_tokens=600) for i in range(6)]
+    # Long enough (1,500 steps: 600 took 7 s alone on the AVX2 EPYC and some 3 s on a Zen 5 one, where
+    # two full runs saw no running job) to be still running when the core is killed, just after the
+    # first is seen running; the worker that answers them after runs them all.
+    jobs = [job(i, max_tokens=1500) for i in range(6)]
     port, log = free_port(), tmp_path / "worker.log"
     cmd = _vllm_worker(kafka_bootstrap, topics, port, "--log-level", "INFO")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
