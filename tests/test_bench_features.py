@@ -44,5 +44,15 @@ def test_bench_features_compares_each_feature_with_plain_greedy_rows(tmp_path, t
     for key in ("avx2", "avx512", "avx512_bf16", "amx"):
         assert report[key] is cpu_features()[key]
     assert report["cpu"] and {"greedy_screen", "amx_gemm", "onednn_linear"} <= set(report["cpu_paths"])
+    # Where plain rows take the greedy screen, logprobs and top_p (which need the whole float32 head)
+    # are also set against plain rows on an engine without it; nowhere else.
+    screen = report["cpu_paths"]["greedy_screen"]
+    for name, f in report["features"].items():
+        if screen and name in ("logprobs", "top_p"):
+            assert f["step_overhead_over_full_head"] == pytest.approx(f["step_ms"] / f["full_head_step_ms"] - 1)
+            assert f["full_head_fraction"] == pytest.approx(f["full_head_step_ms"] / f["plain_step_ms"] - 1)
+        else:
+            assert "step_overhead_over_full_head" not in f and "full_head_fraction" not in f, name
     table = capsys.readouterr().out
+    assert ("over plain rows on the whole float32 LM head" in table) is bool(screen)
     assert all(name in table for name in FEATURE_NAMES) and "AVX-512" in table and "AMX" in table

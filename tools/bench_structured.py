@@ -122,14 +122,14 @@ def drive(engine, requests: list) -> PassRun:
     return one.run()
 
 
-def drive_in_lockstep(a: SteppedPass, b: SteppedPass) -> tuple[PassRun, PassRun]:
-    """Step two passes (on two engines) in turn, one step each, until both are done: a burst of a
-    neighbour on a shared machine lands on both within one step, so their step times compare."""
-    while not (a.done and b.done):
-        for one in (a, b):
+def drive_in_lockstep(*passes: SteppedPass) -> tuple[PassRun, ...]:
+    """Step passes (each on its own engine) in turn, one step each, until all are done: a burst of a
+    neighbour on a shared machine lands on all of them within one round, so their step times compare."""
+    while not all(one.done for one in passes):
+        for one in passes:
             if not one.done:
                 one.step()
-    return a.run(), b.run()
+    return tuple(one.run() for one in passes)
 
 
 def mean_ms(steps: list[dict], key: str) -> float:
