@@ -66,4 +66,24 @@ static inline __m256 exp_vector(__m256 x) {
 static inline __m256 exp_vector_nonpositive(__m256 x) { return exp_vector_below_hi(x); }
 #endif
 
+#if defined(__AVX512F__)
+/* exp_vector_nonpositive in 16 lanes: the same operations, so every lane's bits are the same as the
+   8-lane and the scalar code's (round to nearest even, then the conversion of an integral value). */
+static inline __m512 exp16_nonpositive(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(EXP_LO));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_HI), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_LO), r);
+    __m512 y = _mm512_set1_ps(P0);
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(P1));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(P2));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(P3));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(P4));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(P5));
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(y, _mm512_castsi512_ps(bits));
+}
+#endif
+
 #endif
