@@ -68,9 +68,9 @@ def _same_bits(results: dict[str, list[torch.Tensor]]) -> None:
             assert bool(same.all()), f"{level} differs from {first} at {(~same).nonzero()[:5].tolist()}"
 
 
-def _logits(rows: int, vocab: int, seed: int) -> torch.Tensor:
+def _logits(rows: int, vocab: int, seed: int, spread: float = 3.0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(rows, vocab, generator=g) * 3
+    x = torch.randn(rows, vocab, generator=g) * spread
     x[1, ::7] = float("-inf")  # masked ids (a constraint, min_tokens)
     x[2, 100:140] = x[2].max() + 1  # ties at the top
     x[3] = x[3].round()  # many equal logits
@@ -93,9 +93,10 @@ def test_a_row_holding_a_nan_is_told_apart_in_every_instruction_set():
         assert torch.isnan(log_total).tolist() == [False, True, False, False], level
 
 
+@pytest.mark.parametrize("spread", [3.0, 0.3], ids=["peaked", "flat"])  # flat: a random model's rows
 @pytest.mark.parametrize("vocab", [1031, 5000, 32000])
-def test_top_p_draws_are_the_same_in_every_instruction_set(vocab):
-    x = _logits(12, vocab, seed=vocab)
+def test_top_p_draws_are_the_same_in_every_instruction_set(vocab, spread):
+    x = _logits(12, vocab, seed=vocab, spread=spread)
     rows = torch.arange(12)
     temperatures = torch.tensor([0.8, 1.0, 0.5, 1.3] * 3)
     top_ps = torch.tensor([0.9, 1.0, 0.5, 0.99, 0.1, 0.95] * 2)

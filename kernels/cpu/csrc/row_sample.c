@@ -67,7 +67,25 @@ static float scale_and_max(const float *x, int64_t n, float t, float *z, int *na
     float m = -INFINITY;
     int bad = 0, low = 0;
     int64_t i = 0;
-#ifdef HAVE_AVX2_FMA
+#if defined(__AVX512F__)
+    if (n >= 16) {
+        const __m512 tv = _mm512_set1_ps(1.0f / t), ninfv = _mm512_set1_ps(-INFINITY);
+        __m512 mv = ninfv, minv = _mm512_setzero_ps();
+        __mmask16 badm = 0;
+        for (; i + 16 <= n; i += 16) {
+            const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(x + i), tv);
+            _mm512_storeu_ps(z + i, v);
+            badm |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+            minv = _mm512_min_ps(minv, v);
+            mv = _mm512_max_ps(mv, v);
+        }
+        float lanes[16];
+        _mm512_storeu_ps(lanes, mv);
+        for (int j = 0; j < 16; ++j) m = lanes[j] > m ? lanes[j] : m;
+        bad = badm != 0;
+        low = _mm512_cmp_ps_mask(minv, ninfv, _CMP_EQ_OQ) != 0;
+    }
+#elif defined(HAVE_AVX2_FMA)
     if (n >= 8) {
         const __m256 tv = _mm256_set1_ps(1.0f / t);
         const __m256 ninfv = _mm256_set1_ps(-INFINITY);
@@ -105,7 +123,7 @@ static float scale_and_max(const float *x, int64_t n, float t, float *z, int *na
 typedef struct {
     int32_t lo, hi;
     double above;
-    int32_t *ids; /* room for n + 8: eight are stored at a time */
+    int32_t *ids; /* room for n + 16: eight or sixteen are stored at a time */
     int64_t count;
 } Bracket;
 
@@ -142,7 +160,23 @@ static double exp_and_sum(const float *z, int64_t n, float m, float *w, int mask
     for (int j = 0; j < LANES; ++j) acc[j] = 0.0f;
     const int64_t full = n - n % LANES;
     int64_t i = 0;
-#ifdef HAVE_AVX2_FMA
+#if defined(__AVX512F__)
+    /* Two 16-lane accumulators: lane j of the 32 takes the same elements in the same order as the
+       four 8-lane ones below, and e^x is the same in every lane, so the bits are the same. */
+    const __m512 mv = _mm512_set1_ps(m), ninf = _mm512_set1_ps(-INFINITY);
+    __m512 a[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (; i < full; i += LANES) {
+        if (next) PREFETCH(next + i);
+        for (int q = 0; q < 2; ++q) {
+            const __m512 zv = _mm512_loadu_ps(z + i + 16 * q);
+            __m512 e = exp16_nonpositive(_mm512_sub_ps(zv, mv));
+            if (masked) e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(zv, ninf, _CMP_NEQ_OQ), e);
+            _mm512_storeu_ps(w + i + 16 * q, e);
+            a[q] = _mm512_add_ps(a[q], e);
+        }
+    }
+    for (int q = 0; q < 2; ++q) _mm512_storeu_ps(acc + 16 * q, a[q]);
+#elif defined(HAVE_AVX2_FMA)
     const __m256 mv = _mm256_set1_ps(m), ninf = _mm256_set1_ps(-INFINITY);
     __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     if (masked) {
@@ -200,7 +234,24 @@ static void fill_bracket(const float *z, const float *w, int64_t n, float m, Bra
     float acc_above[LANES] = {0};
     const float lo_f = (float)br->lo, end_f = (float)(br->hi + 1);
     int64_t i = 0, found = 0;
-#ifdef HAVE_AVX2_FMA
+#if defined(__AVX512F__)
+    /* As the AVX2 code below, 16 lanes at a time: the same 32 lanes of sums. The ids of the lanes in
+       the bracket are packed by a compress in a register, then stored (16 at a time). */
+    const __m512 mv = _mm512_set1_ps(m), lov = _mm512_set1_ps(lo_f / 256.0f), endv = _mm512_set1_ps(end_f / 256.0f);
+    const __m512i lane_ids = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512 above[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (; i + LANES <= n; i += LANES)
+        for (int q = 0; q < 2; ++q) {
+            const __m512 d = _mm512_sub_ps(mv, _mm512_loadu_ps(z + i + 16 * q));
+            const __mmask16 is_above = _mm512_cmp_ps_mask(d, lov, _CMP_LT_OQ);
+            const __mmask16 is_in = (__mmask16)(~is_above & _mm512_cmp_ps_mask(d, endv, _CMP_LT_OQ));
+            above[q] = _mm512_add_ps(above[q], _mm512_maskz_mov_ps(is_above, _mm512_loadu_ps(w + i + 16 * q)));
+            const __m512i here = _mm512_add_epi32(_mm512_set1_epi32((int32_t)(i + 16 * q)), lane_ids);
+            _mm512_storeu_si512(br->ids + found, _mm512_maskz_compress_epi32(is_in, here));
+            found += __builtin_popcount((unsigned)is_in);
+        }
+    for (int q = 0; q < 2; ++q) _mm512_storeu_ps(acc_above + 16 * q, above[q]);
+#elif defined(HAVE_AVX2_FMA)
     /* (m - z) 256 < lo exactly where m - z < lo / 256: the product by 256 and lo / 256 are exact */
     const __m256 mv = _mm256_set1_ps(m), lov = _mm256_set1_ps(lo_f / 256.0f), endv = _mm256_set1_ps(end_f / 256.0f);
     __m256 above[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
@@ -389,7 +440,8 @@ static void sampled_bracket(const float *z, int64_t n, float m, double p, float 
 /* Room sampled_bracket needs for the sample of a row of n tokens. */
 static int64_t sample_size(int64_t n) { return (n / SAMPLE_EVERY + 1) * SAMPLE_RUN; }
 
-/* The ids, in order, of the tokens in level-0 buckets [lo, hi] into out (room for n + 8); their count. */
+/* The ids, in order, of the tokens in level-0 buckets [lo, hi] into out (room for n + 8: eight are
+   stored at a time); their count. */
 static int64_t gather_range(const float *z, int64_t n, float m, int32_t lo, int32_t hi, int32_t *out) {
     const float lo_f = (float)lo, end_f = (float)(hi + 1);
     int64_t found = 0, i = 0;
@@ -450,7 +502,15 @@ static float top_p_cutoff(const float *z, const float *w, int64_t n, float m, do
 static double kept_sum(const float *z, const float *w, int64_t begin, int64_t end, float cutoff) {
     float acc[LANES] = {0};
     int64_t i = begin;
-#ifdef HAVE_AVX2_FMA
+#if defined(__AVX512F__)
+    __m512 a[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    const __m512 cv = _mm512_set1_ps(cutoff);
+    for (; i + LANES <= end; i += LANES)
+        for (int q = 0; q < 2; ++q)
+            a[q] = _mm512_add_ps(a[q], _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(_mm512_loadu_ps(z + i + 16 * q), cv, _CMP_GE_OQ),
+                                                           _mm512_loadu_ps(w + i + 16 * q)));
+    for (int q = 0; q < 2; ++q) _mm512_storeu_ps(acc + 16 * q, a[q]);
+#elif defined(HAVE_AVX2_FMA)
     __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     const __m256 cv = _mm256_set1_ps(cutoff);
     for (; i + LANES <= end; i += LANES)
@@ -517,7 +577,7 @@ void rs_sample_rows(const float *x, int64_t ld, const int64_t *rows_idx, int64_t
         double *hist = malloc(3 * BUCKETS * sizeof(double)); /* BUCKETS doubles, then 4 x BUCKETS floats */
         Entry *entries = malloc((size_t)n * sizeof(Entry));
         int32_t *idx = malloc((size_t)n * sizeof(int32_t));
-        int32_t *ids = malloc((size_t)(n + 8) * sizeof(int32_t)); /* gather_range writes 8 at a time */
+        int32_t *ids = malloc((size_t)(n + 16) * sizeof(int32_t)); /* written 8 or 16 at a time */
         float *sample_w = malloc((size_t)sample_size(n) * sizeof(float));
         int32_t *sample_b = malloc((size_t)sample_size(n) * sizeof(int32_t));
         const int ok = z && w && hist && entries && idx && ids && sample_w && sample_b;
