@@ -373,3 +373,15 @@ def test_engine_penalised_greedy_outputs_are_the_same_with_and_without_the_scree
     off, calls_off, _ = _generate(tiny_llama_dir, requests, monkeypatch, False)
     assert on == off
     assert GreedyIds.__name__ in calls_on and GreedyIds.__name__ not in calls_off
+
+
+def test_the_columns_norms_are_the_float64_norms_of_the_weight_and_its_bfloat16_parts():
+    """The bound's column parts, summed in one C pass at load, are torch's float64 norms of w, of
+    bf16(w) and of w - bf16(w), to a few ulps of float64 (a bound rounded up to float32 from them)."""
+    weight = _head(3001, 576, seed=9, scale=0.05) * torch.linspace(0.2, 4.0, 3001).unsqueeze(1)
+    w64, wb = weight.double(), weight.to(torch.bfloat16).double()
+    want = [torch.linalg.vector_norm(t, dim=1) for t in (w64, wb, w64 - wb)]
+    got = greedy_screen.column_norms(greedy_screen._library.get(), weight.contiguous())
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == torch.float64 and g.shape == (3001,)
+        torch.testing.assert_close(g, w, rtol=1e-14, atol=0.0)

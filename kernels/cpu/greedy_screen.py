@@ -74,6 +74,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.greedy_from_screen.restype = None
     lib.logits_at.argtypes = [ptr, i64, ptr, i64, i64, ptr, ptr, i64, ptr]
     lib.logits_at.restype = None
+    lib.column_norms.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64]
+    lib.column_norms.restype = None
 
 
 _library = OnDemandLibrary("greedy_screen.c", "greedy LM-head screen", _declare)
@@ -98,6 +100,15 @@ U_BF16 = 2.0**-8  # bfloat16's unit roundoff
 def gamma(k: int) -> float:
     """gamma_K: a float32 sum of k terms, in any order, is within gamma_K of the sum of their magnitudes."""
     return k * 2.0**-24 / (1.0 - k * 2.0**-24)
+
+
+def column_norms(lib: ctypes.CDLL, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float64 [V] each: |w_j|, |bf16(w_j)| and |w_j - bf16(w_j)| of the rows of a finite float32
+    weight [V, K] (contiguous), in one C pass (csrc/greedy_screen.c: column_norms)."""
+    vocab, hidden = weight.shape
+    sq = [torch.empty(vocab, dtype=torch.float64) for _ in range(3)]
+    lib.column_norms(weight.data_ptr(), vocab, hidden, *(t.data_ptr() for t in sq), torch.get_num_threads())
+    return tuple(t.sqrt_() for t in sq)
 
 
 def _rounded_up(x: torch.Tensor) -> torch.Tensor:
@@ -131,12 +142,10 @@ class GreedyScreen:
         self._lib = lib
         self.vocab, self.hidden = weight.shape
         # The columns' parts of the bound (module docstring), in float64, stored rounded up.
-        w64 = weight.double()
-        w_b = weight.to(torch.bfloat16).double()
-        norms = torch.linalg.vector_norm(w64, dim=1)
+        norms, bf16_norms, rest_norms = column_norms(lib, weight)
         self.gamma = gamma(self.hidden)
-        self.col_bf16_norm = _rounded_up(torch.linalg.vector_norm(w_b, dim=1)).contiguous()
-        self.col_rest = _rounded_up(torch.linalg.vector_norm(w64 - w_b, dim=1) + self.gamma * norms).contiguous()
+        self.col_bf16_norm = _rounded_up(bf16_norms).contiguous()
+        self.col_rest = _rounded_up(rest_norms + self.gamma * norms).contiguous()
         self.col_bf16_norm_max = float(self.col_bf16_norm.max())
         self.col_rest_max = float(self.col_rest.max())
         self.w_max = float(norms.max())

@@ -123,6 +123,33 @@ static inline float round_bf16(float x) {
     return f;
 }
 
+/* The squared norms, in double, of each row j of the float32 weight w [V][K] (finite): sq[j] = |w_j|^2,
+   sq_bf16[j] = |bf16(w_j)|^2 and sq_rest[j] = |w_j - bf16(w_j)|^2, each a sum in order of k (the
+   columns' parts of the bound, taken at load; the caller takes the roots and rounds them up). One
+   pass over the weight, no copy of it: the same sums in float64 tensors cost three float64 copies
+   of the weight (SmolLM2's head: 680 MB written) on the start's critical path. */
+void column_norms(const float *w, int64_t V, int64_t K, double *sq, double *sq_bf16, double *sq_rest,
+                  int64_t threads) {
+#ifdef _OPENMP
+    #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+#else
+    (void)threads;
+#endif
+    for (int64_t j = 0; j < V; ++j) {
+        const float *row = w + j * K;
+        double a = 0.0, b = 0.0, c = 0.0;
+        for (int64_t k = 0; k < K; ++k) {
+            const double x = (double)row[k], xb = (double)round_bf16(row[k]), r = x - xb;
+            a += x * x;
+            b += xb * xb;
+            c += r * r;
+        }
+        sq[j] = a;
+        sq_bf16[j] = b;
+        sq_rest[j] = c;
+    }
+}
+
 /* Row r: screen[r] holds V bfloat16 logits. For each column j the bound of the module docstring,
        eps_j = A p[j] + B t[j] + D |screen_j| + E,
    with A = |h - bf16(h)| + gamma |bf16(h)|, B = |h|, E = abs_term (|h| + w_max + 1) from the row
