@@ -268,6 +268,45 @@ def test_constrained_greedy_rows_take_the_screen_under_their_mask(tiny_llama_dir
         assert check_json(results[f"s{i}"].output_text, SCHEMAS[i % len(SCHEMAS)].schema) is None
 
 
+def test_a_step_with_a_mask_and_rows_that_need_logits_screens_its_greedy_rows(tiny_llama_dir, monkeypatch):
+    """Constrained rows, greedy and sampled, beside plain greedy ones and a logprobs row: the greedy
+    rows (constrained or not) take the screen under their rows of the mask, the others the full head
+    with theirs (SomeIds), and every row gets what it gets without the screen, valid JSON included."""
+    from tokenmill.engine.types import StructuredOutputsParams
+    from tokenmill.tools.structured_workload import SCHEMAS, check_json
+
+    def constrained(i, **extra):
+        return EngineRequest(request_id=f"s{i}", prompt_token_ids=[(5 * i + j) % 900 + 10 for j in range(6 + i)],
+                             sampling=SamplingParams(max_tokens=200, structured_outputs=StructuredOutputsParams(
+                                 json=SCHEMAS[i % len(SCHEMAS)].schema), **extra))
+
+    requests = [*_requests()[:4], constrained(0, temperature=0.0), constrained(1, temperature=0.0),
+                constrained(2, temperature=0.8, seed=3), constrained(3, temperature=0.0, logprobs=2),
+                EngineRequest(request_id="lp", prompt_token_ids=[11, 12, 13],
+                              sampling=SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, logprobs=2))]
+    masked = []
+    real = ModelRunner.execute
+
+    def spy(self, out, *args, **kwargs):
+        result = real(self, out, *args, **kwargs)
+        token_mask = kwargs.get("token_mask", args[2] if len(args) > 2 else None)
+        if token_mask is not None:
+            masked.append(type(result[0]).__name__)
+        return result
+
+    monkeypatch.setattr(ModelRunner, "execute", spy)
+    on, _, results = _generate(tiny_llama_dir, requests, monkeypatch, True)
+    on_masked, masked[:] = list(masked), []
+    off, _, results_off = _generate(tiny_llama_dir, requests, monkeypatch, False)
+    assert on == off
+    assert SomeIds.__name__ in on_masked  # steps under a mask split their rows
+    assert SomeIds.__name__ not in masked  # (without the screen: the full head for every row)
+    for rid in ("s3", "lp"):
+        assert [lp.logprob for lp in results[rid].logprobs] == [lp.logprob for lp in results_off[rid].logprobs]
+    for i in range(4):
+        assert check_json(results[f"s{i}"].output_text, SCHEMAS[i % len(SCHEMAS)].schema) is None
+
+
 def test_greedy_choices_take_the_screen_once_forked(tiny_llama_dir, monkeypatch):
     """n > 1 needs logits only in the step that forks the choices; afterwards its rows are plain
     greedy rows like any other: GreedyIds, the same outputs as without the screen."""

@@ -51,7 +51,7 @@ from tokenmill.kernels.cpu.greedy_screen import AllowedIds
 
 if TYPE_CHECKING:
     from tokenmill.engine.scheduler import SchedulerOutput
-    from tokenmill.engine.structured.constraints import StepMask
+    from tokenmill.engine.structured.constraints import StepMask, StepMaskRows
 
 log = logging.getLogger(__name__)
 
@@ -95,12 +95,14 @@ class SomeIds:
     others need logits: the greedy rows' ids found by the greedy screen (`ids`, for the sampling
     rows `id_rows`), and the full LM head's logits of the others only (`logits`, for `logit_rows`),
     so that one logprobs or sampled row does not send every greedy row of the step to the full
-    head. On the CPU, in steps without a constraint's mask."""
+    head. On the CPU. In a step with a constraint's mask, the screened rows took theirs, and `mask`
+    is the mask of the logits rows, for the sampler."""
 
     ids: torch.Tensor
     id_rows: list[int]
     logits: torch.Tensor
     logit_rows: list[int]
+    mask: StepMaskRows | None = None
 
 
 _MADV_HUGEPAGE = 14  # Linux
@@ -656,27 +658,31 @@ class ModelRunner:
             ids = self.model.greedy_ids(hidden, None if token_mask is None else token_mask.allowed, _edits_for(inputs))
             if ids is not None:
                 return GreedyIds(ids)
-        elif argmax_ok and token_mask is None and hidden.device.type == "cpu":
-            some = self._some_ids(hidden, inputs)
+        elif argmax_ok and hidden.device.type == "cpu":
+            some = self._some_ids(hidden, inputs, token_mask)
             if some is not None:
                 return some
         return self.model.compute_logits(hidden, out=self._logits_buffer(hidden))
 
-    def _some_ids(self, hidden: torch.Tensor, inputs: list[SamplingInputs]) -> SomeIds | None:
-        """A step whose rows are partly greedy without logprobs: those through the greedy screen,
-        the full head over the others only (SomeIds); None where no row or every row is greedy,
-        or the screen does not take them (the caller computes every row's logits)."""
+    def _some_ids(self, hidden: torch.Tensor, inputs: list[SamplingInputs],
+                  token_mask: StepMask | None = None) -> SomeIds | None:
+        """A step whose rows are partly greedy without logprobs: those through the greedy screen
+        (under their rows of the step's mask), the full head over the others only (SomeIds); None
+        where no row or every row is greedy, or the screen does not take them (the caller computes
+        every row's logits)."""
         id_rows = [i for i, inp in enumerate(inputs) if Sampler.argmax_is_enough((inp,), edits_ok=True)]
         if not id_rows or len(id_rows) == len(inputs):
             return None
         greedy_inputs = [inputs[i] for i in id_rows]
-        ids = self.model.greedy_ids(hidden[id_rows], None, _edits_for(greedy_inputs))
+        allowed = None if token_mask is None else token_mask.of_rows(id_rows).allowed
+        ids = self.model.greedy_ids(hidden[id_rows], allowed, _edits_for(greedy_inputs))
         if ids is None:
             return None
         taken = set(id_rows)
         logit_rows = [i for i in range(len(inputs)) if i not in taken]
         rest = hidden[logit_rows]
-        return SomeIds(ids, id_rows, self.model.compute_logits(rest, out=self._logits_buffer(rest)), logit_rows)
+        return SomeIds(ids, id_rows, self.model.compute_logits(rest, out=self._logits_buffer(rest)), logit_rows,
+                       None if token_mask is None else token_mask.of_rows(logit_rows))
 
 
 def _joined(parts: Sequence[StepInputs]) -> StepInputs:

@@ -126,14 +126,14 @@ def _sample_some(sampler: Sampler, some: SomeIds, launched: LaunchedStep, overla
     beside them in the step's row order."""
     reqs = launched.requests
     inputs = [reqs[i].sampling_inputs for i in some.logit_rows]
-    if overlapped:  # no logprobs row here: steps with one are synchronous
+    if overlapped:  # no logprobs row here, nor a mask: steps with one are synchronous
         ids = torch.empty(len(reqs), dtype=torch.int64)
         ids[some.id_rows] = some.ids
-        ids[some.logit_rows] = sampler.sample_ids(some.logits, inputs).to(torch.int64)
+        ids[some.logit_rows] = sampler.sample_ids(some.logits, inputs, some.mask).to(torch.int64)
         launched.mark_sampled()
         _leave_pending(ids, launched)
         return
-    sampled = _tokens_to_host(sampler, some.logits, inputs, None)
+    sampled = _tokens_to_host(sampler, some.logits, inputs, some.mask)
     launched.mark_sampled()
     tokens: list[SampledToken | None] = [None] * len(reqs)
     for row, token_id in zip(some.id_rows, some.ids.tolist(), strict=True):

@@ -69,12 +69,18 @@ class StepMask:
         if row in self.rows:
             self._repeats.append((self.rows.index(row), new_row))
 
-    def apply(self, logits: torch.Tensor, first_row: int = 0) -> None:
+    def of_rows(self, rows: list[int]) -> StepMaskRows:
+        """The mask of the sampling rows `rows` only, row i of a tensor being sampling row rows[i]: a
+        step whose greedy rows take the screen and whose other rows take the full head (SomeIds)."""
+        return StepMaskRows(self, rows)
+
+    def apply(self, logits: torch.Tensor, first_row: int = 0, view: dict[int, int] | None = None) -> None:
         """Wait for the fill, then mask the disallowed ids to -inf in place; row i of `logits` is
-        sampling row first_row + i (a part of a step in parts gives its own first row)."""
+        sampling row first_row + i (a part of a step in parts gives its own first row). `view`
+        (StepMaskRows): sampling row -> tensor row, for a tensor of some of the rows."""
         self._wait()
         t0 = time.perf_counter()
-        bitmask, rows = self._rows_within(first_row, logits.shape[0], logits.device)
+        bitmask, rows = self._rows_within(first_row, logits.shape[0], logits.device, view)
         if logits.device.type == "cpu":
             apply_bitmask(logits, bitmask, rows)
         else:
@@ -83,27 +89,27 @@ class StepMask:
             apply_token_bitmask(logits, bitmask, rows)
         self._record(t0)
 
-    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+    def argmax(self, logits: torch.Tensor, view: dict[int, int] | None = None) -> torch.Tensor:
         """int64 [N]: every row's greedy token under its mask (rows without one: the plain argmax),
         the same as apply + argmax; on the CPU the logits are left as they are."""
         if logits.device.type != "cpu":
-            self.apply(logits)
+            self.apply(logits, view=view)
             return greedy_argmax(logits)
         self._wait()
         t0 = time.perf_counter()
-        bitmask, rows = self._rows_within(0, logits.shape[0], logits.device)
+        bitmask, rows = self._rows_within(0, logits.shape[0], logits.device, view)
         ids = masked_argmax(logits, bitmask, rows)
         self._record(t0)
         return ids
 
-    def allowed(self, count: int, first_row: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    def allowed(self, count: int, first_row: int = 0, view: dict[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """For the greedy screen (kernels/cpu/greedy_screen.py: AllowedIds), which masks in its C
         kernel and writes nothing: (the bitmask, int64 [count]: the bitmask row of each sampling row
         first_row ... first_row + count - 1, -1 for a row without a constraint), once filled."""
         self._wait()
         t0 = time.perf_counter()
         which = [-1] * count
-        for k, row in [*enumerate(self.rows), *self._repeats]:
+        for k, row in self._pairs(view):
             if first_row <= row < first_row + count:
                 which[row - first_row] = k
         rows = torch.tensor(which, dtype=torch.long)
@@ -113,11 +119,17 @@ class StepMask:
     def _wait(self) -> None:
         self._fill_s = self._fill.result()
 
-    def _rows_within(self, first: int, count: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _pairs(self, view: dict[int, int] | None) -> list[tuple[int, int]]:
+        """(bitmask row, the tensor row it masks): the sampling row itself, or where `view` maps it."""
+        pairs = [*enumerate(self.rows), *self._repeats]
+        return pairs if view is None else [(k, view[row]) for k, row in pairs if row in view]
+
+    def _rows_within(self, first: int, count: int, device: torch.device,
+                     view: dict[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(mask rows, the rows of a tensor of sampling rows first ... first + count - 1 they mask);
         rows None: mask row i for tensor row i."""
-        pairs = [(k, row) for k, row in enumerate(self.rows)] + self._repeats
-        if first == 0 and not self._repeats and len(self.rows) == count and self.rows[-1] == count - 1:
+        pairs = self._pairs(view)
+        if view is None and first == 0 and not self._repeats and len(self.rows) == count and self.rows[-1] == count - 1:
             return self._bitmask, None  # rows 0 ... count - 1 (they are ascending): every row, in order
         pairs = [(k, row - first) for k, row in pairs if first <= row < first + count]
         index = torch.tensor([k for k, _ in pairs], dtype=torch.long)
@@ -135,6 +147,25 @@ class StepMask:
                 m.mask_rows.append(len(self.rows) + len(self._repeats))
             elif m.mask_s is self._entries:  # (not drained since: the entry is still there)
                 m.mask_s[self._entry] += used
+
+
+class StepMaskRows:
+    """A StepMask seen through a tensor of some of the step's sampling rows (StepMask.of_rows): row i
+    of the tensor is sampling row rows[i]; the same uses, one entry of the mask metrics with the
+    step's own."""
+
+    def __init__(self, mask: StepMask, rows: list[int]) -> None:
+        self._mask = mask
+        self._view = {row: i for i, row in enumerate(rows)}
+
+    def apply(self, logits: torch.Tensor, first_row: int = 0) -> None:
+        self._mask.apply(logits, first_row, self._view)
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        return self._mask.argmax(logits, self._view)
+
+    def allowed(self, count: int, first_row: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._mask.allowed(count, first_row, self._view)
 
 
 class Constraints:
