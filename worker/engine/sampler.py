@@ -676,8 +676,14 @@ def _output_ids_array(inp: SamplingInputs, vocab: int) -> np.ndarray:
     if cached is not None:
         source, buf, length = cached
         if source is ids and length <= n and (length == 0 or buf[length - 1] == ids[length - 1]):
-            if length < n:
-                new = ids[length:n]  # a step appends one id or a few: checked as Python ints
+            if length + 1 == n and n <= buf.size:  # a decode step's one id: no slice, no list to copy
+                t = ids[length]
+                if not 0 <= t < vocab:
+                    raise ValueError(f"output token ids must be in [0, {vocab}); got {t}")
+                buf[length] = t
+                inp._output_ids = (ids, buf, n)
+            elif length < n:
+                new = ids[length:n]  # a step appends a few ids: checked as Python ints
                 lo, hi = min(new), max(new)
                 if lo < 0 or hi >= vocab:
                     raise ValueError(f"output token ids must be in [0, {vocab}); got min {lo}, max {hi}")
