@@ -112,3 +112,35 @@ def test_bench_kafka_workload_is_reachable_from_the_cli(tmp_path, tiny_llama_dir
     report = json.loads(out.read_text())
     assert report["workload"] == "kafka" and report["requests"] == 2 and report["ratio"] > 0
     assert report["startup_s"] > 0 and report["first_result_s"] > 0
+
+
+def test_mapping_the_kv_cache_keeps_every_value_written_and_the_next_requests_answer_the_same(tiny_llama_dir):
+    """map_kv_cache writes every page of the cache (x 1.0) before the lockstep benches time anything:
+    the values already in it keep their bits (a cached prefix still serves), and an engine that was
+    mapped answers as one that was not."""
+    import torch
+
+    from tokenmill.engine import Engine, EngineConfig
+    from tokenmill.engine.types import EngineRequest, SamplingParams
+    from tokenmill.tools.bench_startup import map_kv_cache
+
+    def requests(tag):
+        return [EngineRequest(request_id=f"{tag}{i}", prompt_token_ids=[(3 * i + j) % 500 + 5 for j in range(20)],
+                              sampling=SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2))
+                for i in range(4)]
+
+    engines = [Engine(EngineConfig(model=str(tiny_llama_dir), kv_cache_gb=0.02)) for _ in range(2)]
+    for e in engines:
+        e.generate(requests("warm"))
+    before = [(k.clone(), v.clone()) for k, v in engines[0].runner.kv_caches]
+    map_kv_cache(engines[0])
+    for (k0, v0), (k1, v1) in zip(before, engines[0].runner.kv_caches, strict=True):
+        for a, b in ((k0, k1), (v0, v1)):
+            kept = ~torch.isnan(a)  # (never-written slots may hold any bits; a NaN among them may be quieted)
+            assert torch.equal(a.view(torch.int32)[kept], b.view(torch.int32)[kept])
+    mapped, plain = (e.generate(requests("warm")) for e in engines)  # prefix-cache hits on the kept blocks
+    assert engines[0].stats().cached_prompt_tokens_total > 0
+    for rid, d in plain.items():
+        assert mapped[rid].output_token_ids == d.output_token_ids
+        assert [lp.logprob for lp in mapped[rid].logprobs] == [lp.logprob for lp in d.logprobs]
+    map_kv_cache(object())  # an engine without a KV cache of ours (another backend): nothing to do

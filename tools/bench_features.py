@@ -25,7 +25,11 @@ A feature whose rows may end early (structured, stop) runs a first pass alone, a
 then take its output lengths. Then `repeats` timed pairs run, each in lockstep (one step of the
 feature's pass on one engine, one step of the plain pass on a second engine of the same settings,
 in turn: a neighbour's burst on a shared machine lands on both within a step), each pass its own
-tenant so no pass finds another's prompts in the prefix cache.
+tenant so no pass finds another's prompts in the prefix cache. Every engine's KV cache is mapped
+before the first pass (bench_startup.map_kv_cache). The two engines swap sides from one
+pair to the next: two engines of the same settings can differ by a few % in the same process (where
+their memory landed; up to 5% measured), and over the pairs that difference cancels instead of
+counting for or against the feature.
 
 Where plain greedy rows take the greedy screen (a bfloat16 LM head, then float32 for the few
 candidates: CPUs where oneDNN has a bfloat16 GEMM), logprobs and top_p cannot: a logprob's
@@ -55,7 +59,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from tokenmill.tools.bench_startup import new_engine, startup_rows, warm_up
+from tokenmill.tools.bench_startup import map_kv_cache, new_engine, startup_rows, warm_up
 from tokenmill.tools.bench_structured import (
     PassRun,
     SteppedPass,
@@ -246,6 +250,9 @@ def run_features(model_dir: Path, work: StructuredWorkload, engine_options: dict
     if engine.cpu_paths.greedy_screen and set(features) & set(WHOLE_DISTRIBUTION):
         full_head_engine = new_engine(EngineConfig(model=str(model_dir), **{**engine_options, "greedy_screen": "off"}))
         full_head_engine.generate(warm)
+    for one in (engine, plain_engine, full_head_engine):
+        if one is not None:
+            map_kv_cache(one)
 
     # The lengths every pass asks for: what each request's constraint lets greedy decoding write.
     structured = next(f for f in FEATURES if f.name == "structured")
@@ -268,8 +275,9 @@ def run_features(model_dir: Path, work: StructuredWorkload, engine_options: dict
         for r in range(repeats):
             if on_pass is not None:
                 on_pass(feature.name, r)
-            passes = [SteppedPass(engine, _feature_requests(feature, work, lengths, f"{feature.name}{r}")),
-                      SteppedPass(plain_engine, _plain_requests(feature, work, plain_lengths, f"plain-{feature.name}{r}"))]
+            feature_side, plain_side = (engine, plain_engine) if r % 2 == 0 else (plain_engine, engine)
+            passes = [SteppedPass(feature_side, _feature_requests(feature, work, lengths, f"{feature.name}{r}")),
+                      SteppedPass(plain_side, _plain_requests(feature, work, plain_lengths, f"plain-{feature.name}{r}"))]
             if with_full_head:
                 passes.append(SteppedPass(full_head_engine, _plain_requests(
                     feature, work, plain_lengths, f"full-head-{feature.name}{r}")))

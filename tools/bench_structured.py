@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tokenmill.tools.bench_startup import new_engine, startup_rows, warm_up
+from tokenmill.tools.bench_startup import map_kv_cache, new_engine, startup_rows, warm_up
 from tokenmill.tools.structured_workload import StructuredWorkload, check_outputs
 
 
@@ -212,6 +212,8 @@ def run_structured(model_dir: Path, work: StructuredWorkload, engine_options: di
     plain_engine = Engine(EngineConfig(model=str(model_dir), **engine_options))
     plain_engine.generate([EngineRequest(request_id="warm", prompt_token_ids=[1] * 40,
                                          sampling=SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))])
+    map_kv_cache(engine)  # both caches mapped before the timed pairs
+    map_kv_cache(plain_engine)
     pairs: list[tuple[PassRun, PassRun]] = []
     repeats_equal = True
     for r in range(1, repeats + 1):
