@@ -613,3 +613,27 @@ def test_deferred_with_stop_strings_decodes_token_by_token(tokenizer):
         if hit:
             break
     assert hit and detok.text == "the model writes a "
+
+
+def test_the_held_tail_is_the_longest_tail_a_stop_string_starts_with():
+    """StopPrefixes (made once per request) against the rule written out: the longest tail of the
+    text, shorter than the longest stop string, that some stop string starts with; on random texts
+    over the stop strings' own characters."""
+    import random
+
+    from tokenmill.engine.detokenizer import StopPrefixes
+
+    def rule(text, stop):
+        longest = max((len(s) for s in stop), default=0)
+        return next((k for k in range(min(len(text), longest - 1), 0, -1)
+                     if any(s.startswith(text[-k:]) for s in stop)), 0)
+
+    rng = random.Random(0)
+    for stop in (["\n\n\n", "###", "</answer>"], ["ab", "aab", "b"], ["x"], ["#", "##"], ["é", "abé"], []):
+        prefixes = StopPrefixes(stop)
+        alphabet = "".join(sorted(set("".join(stop)))) + "z "
+        for _ in range(3000):
+            text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 12)))
+            assert prefixes.held_len(text) == rule(text, stop), (text, stop)
+    assert StopPrefixes(["</answer>"]).held_len("ok </ans") == 5
+    assert StopPrefixes(["</answer>"]).held_len("ok </answer") == 8  # (one character short of the whole)

@@ -88,14 +88,34 @@ def find_first_stop(text: str, stop: Sequence[str], min_end: int = 0) -> int | N
     return None if best is None else best[1]
 
 
+class StopPrefixes:
+    """The prefixes of a request's stop strings, made once: how much of a text's tail to hold back
+    (it could still start a stop string) is asked for every token a stop-string request decodes,
+    and a tail that ends in a character no prefix ends in, the common case, is answered without a
+    loop. A tail is held when it is shorter than the longest stop string and some stop string
+    starts with it (a whole shorter stop string included)."""
+
+    def __init__(self, stop: Sequence[str]) -> None:
+        longest = max((len(s) for s in stop), default=0)
+        self._prefixes = frozenset(s[:k] for s in stop for k in range(1, min(len(s), longest - 1) + 1))
+        self._last_chars = frozenset(p[-1] for p in self._prefixes)
+        self._longest = longest - 1
+
+    def held_len(self, text: str) -> int:
+        """Length of the longest tail of `text`, shorter than the longest stop string, that some
+        stop string starts with."""
+        if not text or text[-1] not in self._last_chars:
+            return 0
+        prefixes = self._prefixes
+        for k in range(min(len(text), self._longest), 0, -1):
+            if text[-k:] in prefixes:
+                return k
+        return 0
+
+
 def stop_prefix_len(text: str, stop: Sequence[str]) -> int:
-    """Length of the longest tail of `text` that is a proper prefix of some stop string."""
-    longest = max((len(s) for s in stop), default=0)
-    for k in range(min(len(text), longest - 1), 0, -1):
-        tail = text[-k:]
-        if any(s.startswith(tail) for s in stop):
-            return k
-    return 0
+    """StopPrefixes(stop).held_len(text), for one text."""
+    return StopPrefixes(stop).held_len(text)
 
 
 class IncrementalDetokenizer:
@@ -116,6 +136,7 @@ class IncrementalDetokenizer:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
         self._stop = stop
+        self._stop_prefixes = StopPrefixes(stop)
         self._decode = make_decoder(tokenizer, skip_special_tokens)
 
         context = [int(t) for t in prompt_token_ids[max(0, len(prompt_token_ids) - PROMPT_CONTEXT_TOKENS) :]]
@@ -263,7 +284,7 @@ class IncrementalDetokenizer:
         if cut is not None:
             released, self._held, self._stopped = text[:cut], "", True
         else:
-            keep = 0 if final else stop_prefix_len(text, self._stop)
+            keep = 0 if final else self._stop_prefixes.held_len(text)
             released, self._held = text[: len(text) - keep], text[len(text) - keep :]
         if released:
             self._released.append(released)
