@@ -113,11 +113,6 @@ class StopPrefixes:
         return 0
 
 
-def stop_prefix_len(text: str, stop: Sequence[str]) -> int:
-    """StopPrefixes(stop).held_len(text), for one text."""
-    return StopPrefixes(stop).held_len(text)
-
-
 class IncrementalDetokenizer:
     """Turns the output tokens of one request into released text, honouring stop strings."""
 
